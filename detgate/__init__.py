@@ -1,0 +1,3 @@
+"""detgate: command line, embedded stack (`detgate up`) and the audit client."""
+
+__version__ = "0.1.0"

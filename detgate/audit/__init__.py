@@ -1,0 +1,1 @@
+"""`detgate audit`: measure the determinism of any OpenAI-compatible endpoint."""

@@ -1,0 +1,49 @@
+"""The `detgate` command: one sub-command per component, each defined by its owner.
+
+Every owner module exposes `register(subparsers)` (and `register_bench(bench_subparsers)`
+for `detgate bench X`); each sub-command sets `func`. Owner modules import nothing heavy
+at import time, so `detgate gateway` never loads torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from detgate import __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from detgate import up
+    from detgate.audit import cli as audit_cli
+    from gateway import cli as gateway_cli
+    from kernels import cli as kernels_cli
+    from worker import cli as worker_cli
+
+    parser = argparse.ArgumentParser(prog="detgate", description="detgate: verifiably deterministic LLM inference")
+    parser.add_argument("--version", action="version", version=f"detgate {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    up.register(sub)
+    gateway_cli.register(sub)
+    worker_cli.register(sub)
+    audit_cli.register(sub)
+
+    bench = sub.add_parser("bench", help="benchmarks, measured side by side in one run")
+    bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="TARGET")
+    worker_cli.register_bench(bench_sub)
+    gateway_cli.register_bench(bench_sub)
+    kernels_cli.register_bench(bench_sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Batch-invariant kernels: one reduction order per output element, whatever the batch."""
