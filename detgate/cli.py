@@ -20,7 +20,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kernels import cli as kernels_cli
     from worker import cli as worker_cli
 
-    parser = argparse.ArgumentParser(prog="detgate", description="detgate: verifiably deterministic LLM inference")
+    parser = argparse.ArgumentParser(
+        prog="detgate", description="detgate: verifiably deterministic LLM inference"
+    )
     parser.add_argument("--version", action="version", version=f"detgate {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

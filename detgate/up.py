@@ -1,15 +1,180 @@
-"""`detgate up`: the embedded stack (Redis, N built-in CPU workers, the gateway) on one machine."""
+"""`detgate up`: the embedded stack (Redis, N built-in CPU workers, the gateway) on one machine.
+
+Each part runs as its own process, exactly as it would in a deployment; this module only
+supervises them: it starts them in dependency order, waits until each answers, prints where
+they are, and stops all of them when one dies or on Ctrl-C.
+"""
 
 from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
 
 
 def register(sub) -> None:
     p = sub.add_parser("up", help="run the whole stack on this machine")
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--workers", type=int, default=2, help="built-in CPU workers to start")
     p.add_argument("--mode", choices=["batch_invariant", "default"], default="batch_invariant")
-    p.add_argument("--port", type=int, default=8000)
-    p.set_defaults(func=lambda args: main(args))
+    p.add_argument("--port", type=int, default=8000, help="the gateway's port")
+    p.add_argument("--model", default="tiny", help="model of the workers ('tiny' or a folder)")
+    p.set_defaults(func=main)
+
+
+def state_dir() -> Path:
+    return Path(os.environ.get("DETGATE_STATE_DIR", Path.home() / ".cache" / "detgate"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def reachable(host: str, port: int, timeout: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+@dataclass
+class Stack:
+    """The child processes of one `detgate up`, stopped in reverse order of start."""
+
+    logs: Path
+    children: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+
+    def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
+        with open(self.logs / f"{name}.log", "ab") as log:  # the child keeps its own copy
+            popen = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            )
+        self.children.append((name, popen))
+
+    def wait_http(self, name: str, url: str, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        popen = dict(self.children)[name]
+        while time.monotonic() < deadline:
+            if popen.poll() is not None:
+                log = self.logs / f"{name}.log"
+                raise RuntimeError(f"{name} exited ({popen.returncode}); see {log}")
+            try:
+                with urllib.request.urlopen(url, timeout=1.0) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"{name} did not answer {url} within {timeout:.0f}s")
+
+    def first_dead(self) -> str | None:
+        return next((name for name, p in self.children if p.poll() is not None), None)
+
+    def stop(self) -> None:
+        for _, popen in reversed(self.children):
+            if popen.poll() is None:
+                os.killpg(popen.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for _, popen in reversed(self.children):
+            try:
+                popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(popen.pid, signal.SIGKILL)
+                popen.wait()
+
+
+def start_redis(stack: Stack, data_dir: Path) -> str:
+    """Use DETGATE_REDIS_URL when it answers; otherwise run a persistent redis-server of our own."""
+    url = os.environ.get("DETGATE_REDIS_URL", "redis://127.0.0.1:6379/0")
+    parsed = urlparse(url)
+    if reachable(parsed.hostname or "127.0.0.1", parsed.port or 6379):
+        return url
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError(f"Redis is not reachable at {url} and redis-server is not installed")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    # appendfsync everysec: at most about one second of records is lost if the machine crashes.
+    stack.spawn("redis", [binary, "--bind", "127.0.0.1", "--port", str(port),
+                          "--dir", str(data_dir), "--appendonly", "yes",
+                          "--appendfsync", "everysec", "--save", ""])
+    deadline = time.monotonic() + 20
+    while not reachable("127.0.0.1", port):
+        if time.monotonic() > deadline or stack.first_dead():
+            raise RuntimeError(f"redis-server did not start; see {stack.logs}/redis.log")
+        time.sleep(0.1)
+    return f"redis://127.0.0.1:{port}/0"
 
 
 def main(args) -> int:
-    raise SystemExit("detgate up: not written yet")
+    root = state_dir()
+    logs = root / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    cli = [sys.executable, "-m", "detgate.cli"]
+    stack = Stack(logs)
+    # SIGTERM is handled like Ctrl-C so that supervisors (and tests) stop the stack cleanly.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        redis_url = start_redis(stack, root / "redis")
+        model = args.model
+        if model == "tiny":  # made once here, so that N workers don't race to write it
+            model = str(root / "models" / "tiny")
+            if not (Path(model) / "config.json").exists():
+                subprocess.run([*cli, "make-model", "--preset", "tiny", "--out", model], check=True)
+        workers = []
+        for i in range(args.workers):
+            port = free_port()
+            stack.spawn(f"worker-{i}", [*cli, "worker", "--model", model,
+                                        "--mode", args.mode, "--port", str(port)])
+            workers.append(f"http://127.0.0.1:{port}")
+        for i, url in enumerate(workers):
+            stack.wait_http(f"worker-{i}", url + "/health")
+        gateway = f"http://127.0.0.1:{args.port}"
+        stack.spawn("gateway", [*cli, "gateway"], env={
+            "DETGATE_HOST": "127.0.0.1", "DETGATE_PORT": str(args.port),
+            "DETGATE_REDIS_URL": redis_url, "DETGATE_WORKERS": ",".join(workers),
+        })
+        stack.wait_http("gateway", gateway + "/readyz")
+        print(banner(gateway, workers, redis_url, logs, args.mode), flush=True)
+        while (dead := stack.first_dead()) is None:
+            time.sleep(0.5)
+        print(f"detgate up: {dead} exited; stopping (logs in {logs})", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ndetgate up: stopping", file=sys.stderr)
+        return 0
+    except RuntimeError as exc:
+        print(f"detgate up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        stack.stop()
+
+
+def banner(gateway: str, workers: list[str], redis_url: str, logs: Path, mode: str) -> str:
+    lines = [
+        "detgate is up",
+        f"  gateway   {gateway}/v1   (metrics {gateway}/metrics)",
+        *(f"  worker    {url}   mode={mode}" for url in workers),
+        f"  redis     {redis_url}",
+        f"  logs      {logs}",
+        "",
+        "try:",
+        f"  curl -s {gateway}/v1/chat/completions -H 'Content-Type: application/json' \\",
+        "    -d '{\"model\": \"tiny\", \"max_tokens\": 16,",
+        "         \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}]}'",
+        f"  curl -s -X POST {gateway}/replay/<id> -d '{{\"load\": 16}}'",
+        "",
+        "Ctrl-C stops everything.",
+    ]
+    return "\n".join(lines)
