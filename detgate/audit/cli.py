@@ -9,8 +9,24 @@ def register(sub) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--model", required=True)
     p.add_argument("--prompt", required=True)
-    p.add_argument("-n", type=int, default=100, dest="n")
-    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("-n", type=int, default=100, dest="n", help="identical requests to send")
+    p.add_argument("--concurrency", type=int, default=8, help="audited requests in flight at once")
     p.add_argument("--max-tokens", type=int, default=100)
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="write the result JSON here")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
+                   help="/v1/completions (the prompt as given) or /v1/chat/completions "
+                        "(the prompt as one user message)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None,
+                   help="sent with every request; sampling (temperature > 0) uses 0 when not given")
+    p.add_argument("--mix", type=int, default=0,
+                   help="streams of other prompts of random lengths sent meanwhile, "
+                        "so that batches change")
+    p.add_argument("--timeout", type=float, default=600.0, help="overall time bound in seconds")
+    p.add_argument("--retries", type=int, default=5,
+                   help="retries of a request answered 429/502/503/504 or cut off")
+    p.add_argument("--report", default=None, metavar="DIR",
+                   help="write report.md and PNG plots here")
+    p.add_argument("--score", action="store_true",
+                   help="compare sampled logprobs with the endpoint's teacher-forced /v1/score")
     p.set_defaults(func=lambda args: __import__("detgate.audit.run", fromlist=["main"]).main(args))
