@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from pathlib import Path
 
 from detgate.audit.analysis import Analysis
@@ -18,12 +19,16 @@ def write_plots(analysis: Analysis, out_dir: Path) -> list[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(7, 4))
     positions = analysis.first_divergence
     if positions:
-        ax.hist(positions, bins=range(min(positions), max(positions) + 2), align="left",
-                rwidth=0.9)
+        counts = Counter(positions)
+        ax.bar(list(counts), list(counts.values()), width=0.8)
+        ax.set_xlim(min(positions) - 1, max(positions) + 1)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     else:
         _note(ax, f"no divergence: all {analysis.n} completions identical")
     ax.set_xlabel("first divergence position (generated token)")

@@ -6,6 +6,7 @@ The terminal and Markdown reports show the same rows, built once here.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections import Counter
 from pathlib import Path
@@ -129,9 +130,11 @@ def _outcome_note(outcome: str) -> str:
 
 
 def _bucket(lo: float, hi: float) -> str:
-    if hi == float("inf"):
+    """A bucket (lo, hi] of integer batch sizes, as the sizes it holds: '3-4', '8', '>64'."""
+    if hi == math.inf:
         return f">{lo:g}"
-    return f"{hi:g}" if lo == float("-inf") or hi - lo <= 1 else f"{lo:g}-{hi:g}"
+    first = 1 if lo == -math.inf else math.floor(lo) + 1
+    return f"{hi:g}" if first >= hi else f"{first}-{hi:g}"
 
 
 def position_rows(result: AuditResult) -> list[tuple[int, int]]:
@@ -169,7 +172,7 @@ def write_markdown(result: AuditResult, path: Path, plots: list[str]) -> None:
     a = result.analysis
     lines = ["# detgate audit", "", f"Prompt: `{_md(result.settings.prompt)}`", "",
              "| measure | value |", "|---|---|"]
-    lines += [f"| {label} | {_md(value)} |" for label, value in summary_rows(result)]
+    lines += [f"| {_md(label)} | {_md(value)} |" for label, value in summary_rows(result)]
     if a.first_divergence:
         lines += ["", "## First divergence positions", "", "| position | samples |", "|---|---|"]
         lines += [f"| {pos} | {count} |" for pos, count in position_rows(result)]

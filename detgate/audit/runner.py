@@ -100,14 +100,15 @@ async def collect(client: EndpointClient, spec: RequestSpec, plan: LoadPlan,
                 await asyncio.sleep(MIX_ERROR_PAUSE_S)
             progress(out)
 
-    slots = asyncio.Semaphore(plan.concurrency)
+    indices = iter(range(1, plan.n))
 
-    async def in_slot(index: int) -> None:
-        async with slots:
+    async def slot() -> None:
+        # The iterator is shared: each index is taken by exactly one slot.
+        for index in indices:
             await one(index)
 
     async def rest() -> None:
-        await asyncio.gather(*(in_slot(i) for i in range(1, plan.n)))
+        await asyncio.gather(*(slot() for _ in range(plan.concurrency)))
 
     out.outcome = await wait_or_stop(one(0), stop, client.deadline.remaining())
     if out.outcome != "complete" or not out.samples:
