@@ -1,0 +1,58 @@
+"""API keys: `tenant:key` pairs from DETGATE_API_KEYS, kept and logged only as SHA-256 hashes.
+
+A presented key is hashed and compared against every known hash with `hmac.compare_digest`,
+so neither the comparison nor the loop's length depends on which key (if any) matched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+from dataclasses import dataclass
+
+from gateway.errors import Unauthorized
+
+OPEN_TENANT = "default"
+_TENANT = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def key_hash(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+@dataclass(frozen=True)
+class Authenticator:
+    """`hashes` pairs each key's hash with its tenant; empty means open mode."""
+
+    hashes: tuple[tuple[bytes, str], ...]
+
+    @classmethod
+    def from_pairs(cls, pairs: list[str]) -> Authenticator:
+        hashes = []
+        for pair in pairs:
+            tenant, sep, key = pair.partition(":")
+            if not sep or not key or not _TENANT.match(tenant):
+                # The pair itself may hold a secret: say which position, never the text.
+                raise ValueError(f"DETGATE_API_KEYS entry {len(hashes) + 1} is not tenant:key "
+                                 "with a tenant of letters, digits, '_', '.', '-'")
+            hashes.append((key_hash(key), tenant))
+        return cls(tuple(hashes))
+
+    @property
+    def open_mode(self) -> bool:
+        return not self.hashes
+
+    def tenant(self, authorization: str | None) -> str:
+        if self.open_mode:
+            return OPEN_TENANT
+        if not authorization or not authorization.startswith("Bearer "):
+            raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+        presented = key_hash(authorization[len("Bearer "):].strip())
+        found = None
+        for digest, tenant in self.hashes:
+            if hmac.compare_digest(digest, presented):
+                found = tenant
+        if found is None:
+            raise Unauthorized("invalid API key")
+        return found

@@ -1,0 +1,135 @@
+"""One error hierarchy for the gateway, mapped to the OpenAI error shape in one place.
+
+Every failure a client can see is a `GatewayError`; `install(app)` turns those, FastAPI's
+validation errors, unknown routes and anything unexpected into
+`{"error": {"message", "type", "param", "code"}}`, never a stack trace. Bad input is
+always a 4xx: validation errors answer 400, not FastAPI's 422.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+log = logging.getLogger("detgate.gateway")
+
+
+class GatewayError(Exception):
+    status = 500
+    type = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers = headers or {}
+
+
+class BadRequest(GatewayError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class Unauthorized(GatewayError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class NotFound(GatewayError):
+    status = 404
+    type = "not_found_error"
+    code = "not_found"
+
+
+class Conflict(GatewayError):
+    status = 409
+    type = "conflict_error"
+    code = "no_matching_worker"
+
+
+class PayloadTooLarge(GatewayError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class UpstreamRejected(GatewayError):
+    """A worker answered 4xx: its message and status reach the client unchanged."""
+
+    type = "invalid_request_error"
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message, param=param, code=code)
+        self.status = status
+
+
+class UpstreamFailed(GatewayError):
+    status = 502
+    type = "upstream_error"
+    code = "upstream_failed"
+
+
+class UpstreamTimeout(GatewayError):
+    status = 504
+    type = "upstream_error"
+    code = "upstream_timeout"
+
+
+class NoWorker(GatewayError):
+    status = 503
+    type = "service_unavailable"
+    code = "no_healthy_worker"
+
+
+class RecorderUnavailable(GatewayError):
+    """Redis is unreachable: answers that cannot be recorded are not served."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "recorder_unavailable"
+
+
+def error_body(message: str, type_: str, param: str | None = None,
+               code: str | None = None) -> bytes:
+    error = {"message": message, "type": type_, "param": param, "code": code}
+    return orjson.dumps({"error": error})
+
+
+def error_response(exc: GatewayError) -> Response:
+    body = error_body(exc.message, exc.type, exc.param, exc.code)
+    return Response(body, status_code=exc.status, media_type="application/json",
+                    headers=exc.headers)
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(request: Request, exc: GatewayError) -> Response:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        return error_response(BadRequest(first.get("msg", "invalid request"), param=loc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        body = error_body(str(exc.detail), type_)
+        return Response(body, status_code=exc.status_code, media_type="application/json")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(GatewayError("internal error"))

@@ -1,0 +1,123 @@
+"""Sending a request to a worker: choice, per-attempt and total timeouts, at most one retry.
+
+A retry happens only when nothing reached the client yet and the first worker gave no
+usable answer (unreachable, timed out, 5xx); it goes to another worker, and the failing one
+is ejected until its health check passes. A worker's 4xx is the client's problem: no retry.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from gateway.errors import Conflict, GatewayError, NoWorker, UpstreamFailed, UpstreamTimeout
+from gateway.metrics import Metrics
+from gateway.responses import worker_error
+from gateway.router import Router, Worker
+from gateway.upstream import Answer, EventStream, TimedOut, Unreachable, Upstream
+
+MAX_ATTEMPTS = 2
+
+
+@dataclass
+class Sent:
+    worker: Worker
+    answer: Answer
+    upstream_s: float
+
+
+@dataclass
+class Opened:
+    worker: Worker  # acquired: the caller releases it when the stream ends
+    stream: EventStream
+    started: float
+
+
+class Forwarder:
+    def __init__(self, router: Router, upstream: Upstream, metrics: Metrics, *,
+                 attempt_timeout_s: float) -> None:
+        self.router = router
+        self.upstream = upstream
+        self.metrics = metrics
+        self.attempt_timeout_s = attempt_timeout_s
+
+    def _pick(self, model: str, tried: Worker | None, last: GatewayError | None,
+              pinned: Worker | None) -> Worker:
+        if pinned is not None:
+            return pinned
+        try:
+            return self.router.choose(model, exclude=tried)
+        except (NoWorker, Conflict):
+            if last is not None:
+                raise last from None
+            raise
+
+    def _budget(self, deadline: float) -> float:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise UpstreamTimeout("the request ran out of its total time")
+        return min(self.attempt_timeout_s, remaining)
+
+    def _failed(self, worker: Worker, exc: Exception) -> GatewayError:
+        self.router.eject(worker, str(exc))
+        if isinstance(exc, TimedOut):
+            return UpstreamTimeout(f"worker timed out: {exc}")
+        return UpstreamFailed(f"worker failed: {exc}")
+
+    async def send(self, model: str, path: str, body: bytes, *, deadline: float,
+                   pinned: Worker | None = None) -> Sent:
+        tried: Worker | None = None
+        last: GatewayError | None = None
+        spent = 0.0
+        for _ in range(1 if pinned else MAX_ATTEMPTS):
+            worker = self._pick(model, tried, last, pinned)
+            budget = self._budget(deadline)
+            self.router.acquire(worker)
+            t0 = time.perf_counter()
+            try:
+                answer = await self.upstream.post(worker.url + path, body, budget)
+            except (Unreachable, TimedOut) as exc:
+                last, tried = self._failed(worker, exc), worker
+                continue
+            finally:
+                dt = time.perf_counter() - t0
+                spent += dt
+                self.router.release(worker)
+                self.metrics.upstream_duration.labels(worker.url).observe(dt)
+            if answer.status >= 500:
+                last = self._failed(worker, Unreachable(f"answered {answer.status}"))
+                tried = worker
+                continue
+            if answer.status >= 400:
+                raise worker_error(answer.status, answer.body)
+            return Sent(worker, answer, spent)
+        assert last is not None
+        raise last
+
+    async def open_stream(self, model: str, path: str, body: bytes, *,
+                          deadline: float) -> Opened:
+        tried: Worker | None = None
+        last: GatewayError | None = None
+        for _ in range(MAX_ATTEMPTS):
+            worker = self._pick(model, tried, last, None)
+            budget = self._budget(deadline)
+            self.router.acquire(worker)
+            t0 = time.perf_counter()
+            try:
+                stream = await self.upstream.open_stream(
+                    worker.url + path, body, first_byte_timeout_s=budget,
+                    read_timeout_s=self.attempt_timeout_s)
+            except (Unreachable, TimedOut) as exc:
+                self.router.release(worker)
+                last, tried = self._failed(worker, exc), worker
+                continue
+            if stream.status == 200:
+                return Opened(worker, stream, t0)
+            raw = await stream.body()
+            self.router.release(worker)
+            if stream.status >= 500:
+                last, tried = self._failed(worker, Unreachable(f"answered {stream.status}")), worker
+                continue
+            raise worker_error(stream.status, raw)
+        assert last is not None
+        raise last

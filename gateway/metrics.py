@@ -1,0 +1,84 @@
+"""The gateway's Prometheus metrics, exactly as the contract names them, in one registry per app.
+
+Labels come from small fixed sets: endpoint templates, HTTP status codes, configured worker
+URLs, record and replay results. Never a request id, key or prompt.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                   2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01,
+                    0.025, 0.05, 0.1, 0.25, 1.0)
+MSE_BUCKETS = tuple(10.0 ** e for e in range(-12, 1))  # 1e-12 ... 1
+ABS_DIFF_BUCKETS = tuple(10.0 ** e for e in range(-9, 2))  # 1e-9 ... 10
+DIVERGENCE_BUCKETS = (0, 1, *(2 ** e for e in range(1, 13)))  # 0, 1, 2, 4, ... 4096
+
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/requests",
+             "/v1/requests/{id}", "/replay/{id}", "/metrics", "/healthz", "/readyz")
+
+
+def endpoint_label(path: str) -> str:
+    """The route template for a path, so the label set stays small whatever clients send."""
+    if path in ENDPOINTS:
+        return path
+    if path.startswith("/v1/requests/"):
+        return "/v1/requests/{id}"
+    if path.startswith("/replay/"):
+        return "/replay/{id}"
+    return "other"
+
+
+class Metrics:
+    def __init__(self, workers: list[str]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("detgate_requests_total", "HTTP requests answered",
+                                ["endpoint", "code"], registry=r)
+        self.request_duration = Histogram(
+            "detgate_request_duration_seconds", "Time from request to the last byte answered",
+            ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.upstream_duration = Histogram(
+            "detgate_upstream_duration_seconds", "Time spent waiting on a worker, per attempt",
+            ["worker"], buckets=LATENCY_BUCKETS, registry=r)
+        self.overhead = Histogram(
+            "detgate_gateway_overhead_seconds",
+            "Request duration minus upstream time: what the gateway itself adds",
+            buckets=OVERHEAD_BUCKETS, registry=r)
+        self.records = Counter("detgate_records_total", "Record writes", ["result"], registry=r)
+        self.replays = Counter("detgate_replays_total", "Replays", ["result"], registry=r)
+        self.replay_mse = Histogram(
+            "detgate_replay_logprob_mse", "Logprob MSE of a replay before its first divergence",
+            buckets=MSE_BUCKETS, registry=r)
+        self.replay_max_abs = Histogram(
+            "detgate_replay_max_abs_logprob_diff",
+            "Largest |logprob difference| of a replay before its first divergence",
+            buckets=ABS_DIFF_BUCKETS, registry=r)
+        self.replay_divergence = Histogram(
+            "detgate_replay_first_divergence_position",
+            "Generated-token index of the first differing token (diverged replays only)",
+            buckets=DIVERGENCE_BUCKETS, registry=r)
+        self.worker_up = Gauge("detgate_worker_up", "1 when the worker passes health checks",
+                               ["worker"], registry=r)
+        self.worker_inflight = Gauge("detgate_worker_inflight", "Requests outstanding per worker",
+                                     ["worker"], registry=r)
+        for label in ("stored", "failed"):
+            self.records.labels(label)
+        for label in ("match", "diverged", "error"):
+            self.replays.labels(label)
+        for url in workers:
+            self.worker_up.labels(url).set(0)
+            self.worker_inflight.labels(url).set(0)
+
+    def observe_replay(self, comparison: dict) -> None:
+        self.replays.labels("match" if comparison["match"] else "diverged").inc()
+        if comparison["logprob_mse"] is not None:
+            self.replay_mse.observe(comparison["logprob_mse"])
+            self.replay_max_abs.observe(comparison["max_abs_logprob_diff"])
+        if comparison["first_divergence"] is not None:
+            self.replay_divergence.observe(comparison["first_divergence"])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

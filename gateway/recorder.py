@@ -1,0 +1,144 @@
+"""Records in Redis: one serialise/deserialise pair, a TTL on every key, atomic multi-key writes.
+
+Floats are written by orjson, which prints the shortest text that parses back to the same
+double, and read back by orjson: a logprob's bits survive the round trip unchanged.
+
+Availability: a failed Redis call marks the recorder down, so new inference requests are
+refused (503 + Retry-After) before any work; a background ping marks it up again, and
+redis-py's pool reconnects by itself, so no restart is needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import orjson
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from gateway.errors import RecorderUnavailable
+from gateway.keys import Keys
+
+log = logging.getLogger("detgate.gateway")
+
+
+def dumps(obj: dict) -> bytes:
+    return orjson.dumps(obj)
+
+
+def loads(data: bytes) -> dict:
+    return orjson.loads(data)
+
+
+class Recorder:
+    def __init__(self, url: str, *, prefix: str, ttl_s: int, timeout_s: float,
+                 retry_after_s: int) -> None:
+        self.redis = aioredis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            health_check_interval=0, retry_on_timeout=False)
+        self.keys = Keys(prefix)
+        self.ttl_s = ttl_s
+        self.retry_after_s = retry_after_s
+        self.up = True
+
+    def _unavailable(self, exc: Exception | None = None) -> RecorderUnavailable:
+        if exc is not None:
+            if self.up:
+                log.warning("redis unavailable: %s", exc)
+            self.up = False
+        return RecorderUnavailable("the request store is unavailable; retry shortly",
+                                   headers={"Retry-After": str(self.retry_after_s)})
+
+    def ensure_up(self) -> None:
+        if not self.up:
+            raise self._unavailable()
+
+    async def ping(self) -> bool:
+        try:
+            await self.redis.ping()
+        except (RedisError, OSError) as exc:
+            self._unavailable(exc)
+            return False
+        if not self.up:
+            log.warning("redis reachable again")
+        self.up = True
+        return True
+
+    async def watch(self, interval_s: float) -> None:
+        """Background task: keep `up` true to Redis' state."""
+        while True:
+            await asyncio.sleep(interval_s if self.up else min(interval_s, 0.25))
+            await self.ping()
+
+    async def save(self, tenant: str, record: dict) -> None:
+        """Write a record and index it, in one MULTI/EXEC."""
+        idx = self.keys.index(tenant)
+        created = record["created"]
+        try:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.set(self.keys.record(tenant, record["id"]), dumps(record), ex=self.ttl_s)
+                pipe.zadd(idx, {record["id"]: created})
+                # Index entries older than the TTL point at expired records: drop them.
+                pipe.zremrangebyscore(idx, "-inf", f"({created - self.ttl_s}")
+                pipe.expire(idx, self.ttl_s)
+                await pipe.execute()
+        except (RedisError, OSError) as exc:
+            raise self._unavailable(exc) from exc
+
+    async def get(self, tenant: str, record_id: str) -> tuple[dict, int] | None:
+        """The record with its replays, and its remaining lifetime in ms; None if absent."""
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.get(self.keys.record(tenant, record_id))
+                pipe.pttl(self.keys.record(tenant, record_id))
+                pipe.lrange(self.keys.replays(tenant, record_id), 0, -1)
+                raw, pttl, replays = await pipe.execute()
+        except (RedisError, OSError) as exc:
+            raise self._unavailable(exc) from exc
+        if raw is None:
+            return None
+        record = loads(raw)
+        record["replays"] = [loads(r) for r in replays]
+        return record, pttl
+
+    async def list(self, tenant: str, limit: int) -> list[dict]:
+        try:
+            ids = await self.redis.zrevrange(self.keys.index(tenant), 0, limit - 1)
+            if not ids:
+                return []
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for rid in ids:
+                    pipe.get(self.keys.record(tenant, rid.decode()))
+                    pipe.lrange(self.keys.replays(tenant, rid.decode()), 0, -1)
+                results = await pipe.execute()
+        except (RedisError, OSError) as exc:
+            raise self._unavailable(exc) from exc
+        records = []
+        for raw, replays in zip(results[::2], results[1::2], strict=True):
+            if raw is not None:
+                record = loads(raw)
+                record["replays"] = [loads(r) for r in replays]
+                records.append(record)
+        return records
+
+    async def add_replay(self, tenant: str, record_id: str, comparison: dict,
+                         record_pttl_ms: int) -> None:
+        """Append a comparison; the list expires with its record."""
+        key = self.keys.replays(tenant, record_id)
+        ttl_ms = record_pttl_ms if record_pttl_ms > 0 else self.ttl_s * 1000
+        try:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.rpush(key, dumps(comparison))
+                pipe.pexpire(key, ttl_ms)
+                await pipe.execute()
+        except (RedisError, OSError) as exc:
+            raise self._unavailable(exc) from exc
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+
+def now() -> float:
+    return round(time.time(), 3)

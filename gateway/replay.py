@@ -1,0 +1,86 @@
+"""`POST /replay/{id}`: re-run a record on a worker with the same fingerprint and compare.
+
+With `load` K > 0, K other requests (varied prompt lengths, greedy) go to that same worker
+at the same moment, so the replay is scheduled inside a different batch than the original
+was: exactly the situation in which a kernel that is not batch-invariant changes numbers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+
+import orjson
+
+from gateway import protocol, responses
+from gateway.compare import compare_choices
+from gateway.errors import Conflict, GatewayError, NotFound, UpstreamFailed
+from gateway.recorder import now
+from gateway.router import Worker
+from gateway.services import Services
+
+_FILLER = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "while",
+           "a", "determinism", "gateway", "records", "every", "token", "it", "sees"]
+
+
+def load_body(record: dict, i: int) -> dict:
+    """The i-th background request: its own prompt length, so batch shapes keep changing."""
+    words = " ".join(_FILLER[(i + j) % len(_FILLER)] for j in range(3 + (i * 7) % 40))
+    req = record["request"]
+    max_tokens = req.get("max_tokens") or req.get("max_completion_tokens") or 16
+    body = {"model": req["model"], "max_tokens": max_tokens, "temperature": 0}
+    if record["endpoint"] == protocol.CHAT:
+        body["messages"] = [{"role": "user", "content": f"load {i}: {words}"}]
+    else:
+        body["prompt"] = f"load {i}: {words}"
+    return body
+
+
+async def replay(svc: Services, tenant: str, record_id: str, load: int) -> dict:
+    found = await svc.recorder.get(tenant, record_id)
+    if found is None:
+        raise NotFound(f"no record '{record_id}'", param="id")
+    record, pttl_ms = found
+    if record["status"] != "complete":
+        raise Conflict(f"record '{record_id}' is {record['status']}: nothing to compare",
+                       code="record_not_complete")
+    worker = svc.router.choose(record["model"], fingerprint=record["system_fingerprint"])
+    try:
+        comparison = await _run(svc, record, worker, load)
+    except GatewayError:
+        svc.metrics.replays.labels("error").inc()
+        raise
+    comparison["id"] = record_id
+    await svc.recorder.add_replay(tenant, record_id, comparison, pttl_ms)
+    svc.metrics.observe_replay(comparison)
+    return comparison
+
+
+async def _run(svc: Services, record: dict, worker: Worker, load: int) -> dict:
+    endpoint = record["endpoint"]
+    deadline = time.monotonic() + svc.settings.total_timeout_s
+
+    def send(body: dict) -> asyncio.Task:
+        return asyncio.create_task(svc.forwarder.send(
+            record["model"], endpoint, orjson.dumps(body), deadline=deadline, pinned=worker))
+
+    background = [send(load_body(record, i)) for i in range(load)]
+    if background:
+        await asyncio.sleep(0)  # let the load reach the worker first
+    target = send(protocol.replay_body(record["request"]))
+    results = await asyncio.gather(target, *background, return_exceptions=True)
+    sent = results[0]
+    if isinstance(sent, BaseException):
+        if isinstance(sent, GatewayError):
+            raise sent
+        raise UpstreamFailed(f"replay failed: {sent}")
+    answer = orjson.loads(sent.answer.body)
+    is_chat = endpoint == protocol.CHAT
+    cmp = compare_choices(record["choices"], responses.record_choices(is_chat, answer))
+    return {
+        "id": record["id"], "replay_id": "rpl-" + secrets.token_hex(12), **cmp,
+        "original_fingerprint": record["system_fingerprint"],
+        "replay_fingerprint": answer.get("system_fingerprint") or worker.fingerprint,
+        "worker": worker.url, "load": load, "created": now(),
+    }

@@ -1,0 +1,186 @@
+"""Worker answers: what a record keeps from them, and what the client gets back.
+
+Accepts the built-in worker's and vLLM's shapes: `token_ids` per choice (vLLM's
+`return_token_ids`), `prompt_token_ids` at the top (chat) or per choice (completions),
+`prompt_logprobs` (a list of `{token_id: {"logprob", "rank", "decoded_token"}}` or null),
+errors as `{"error": {..., "code": 400}}` or vLLM's older flat `{"object": "error", ...}`,
+and `system_fingerprint` null (the router then supplies a derived one).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from gateway.errors import UpstreamRejected
+from gateway.protocol import ClientAsk
+
+_TOKEN_ID_PREFIX = "token_id:"
+
+
+def _chat_logprob_entries(choice: dict) -> list[dict]:
+    return ((choice.get("logprobs") or {}).get("content")) or []
+
+
+def _token_ids_from_strings(entries: list[dict]) -> list[int] | None:
+    """vLLM's `return_tokens_as_token_ids` spells tokens 'token_id:N': a fallback for ids."""
+    ids = []
+    for e in entries:
+        token = e.get("token")
+        if not isinstance(token, str) or not token.startswith(_TOKEN_ID_PREFIX):
+            return None
+        ids.append(int(token[len(_TOKEN_ID_PREFIX):]))
+    return ids
+
+
+def choice_logprobs(is_chat: bool, choice: dict) -> list[float | None]:
+    if is_chat:
+        return [e.get("logprob") for e in _chat_logprob_entries(choice)]
+    return list(((choice.get("logprobs") or {}).get("token_logprobs")) or [])
+
+
+def choice_token_ids(is_chat: bool, choice: dict) -> list[int] | None:
+    ids = choice.get("token_ids")
+    if ids is not None:
+        return list(ids)
+    if is_chat:
+        return _token_ids_from_strings(_chat_logprob_entries(choice))
+    tokens = ((choice.get("logprobs") or {}).get("tokens")) or []
+    return _token_ids_from_strings([{"token": t} for t in tokens])
+
+
+def choice_text(is_chat: bool, choice: dict) -> str:
+    if is_chat:
+        return ((choice.get("message") or choice.get("delta") or {}).get("content")) or ""
+    return choice.get("text") or ""
+
+
+def record_choices(is_chat: bool, answer: dict) -> list[dict]:
+    """The record's per-choice view of a complete (non-streamed) answer."""
+    return [{
+        "index": c.get("index", i),
+        "text": choice_text(is_chat, c),
+        "finish_reason": c.get("finish_reason"),
+        "token_ids": choice_token_ids(is_chat, c),
+        "logprobs": choice_logprobs(is_chat, c),
+    } for i, c in enumerate(answer.get("choices") or [])]
+
+
+def prompt_extras(answer: dict) -> dict[str, Any]:
+    """Prompt token ids and prompt logprobs, wherever this worker put them."""
+    out: dict[str, Any] = {}
+    first = (answer.get("choices") or [{}])[0]
+    ids = answer.get("prompt_token_ids") or first.get("prompt_token_ids")
+    if ids is not None:
+        out["prompt_token_ids"] = ids
+    plp = answer.get("prompt_logprobs") or first.get("prompt_logprobs")
+    if plp is not None:
+        out["prompt_logprobs"] = plp
+    return out
+
+
+def _strip_choice(is_chat: bool, choice: dict, ask: ClientAsk) -> None:
+    if not ask.token_ids:
+        choice.pop("token_ids", None)
+        choice.pop("prompt_token_ids", None)
+    lp = choice.get("logprobs")
+    if not ask.logprobs:
+        if "logprobs" in choice:
+            choice["logprobs"] = None
+    elif lp and not is_chat and lp.get("top_logprobs"):
+        # Completions were asked for at least one alternative; give the count asked.
+        k = ask.top_logprobs
+        lp["top_logprobs"] = [None if d is None else dict(list(d.items())[:k])
+                              for d in lp["top_logprobs"]]
+
+
+def shape_answer(is_chat: bool, answer: dict, ask: ClientAsk, record_id: str,
+                 fingerprint: str | None) -> dict:
+    """The client's answer: our id and fingerprint, and only what the client asked for."""
+    answer["id"] = record_id
+    answer["system_fingerprint"] = fingerprint
+    if not ask.token_ids:
+        answer.pop("prompt_token_ids", None)
+    for choice in answer.get("choices") or []:
+        _strip_choice(is_chat, choice, ask)
+    return answer
+
+
+def shape_chunk(is_chat: bool, chunk: dict, ask: ClientAsk, record_id: str,
+                fingerprint: str | None) -> dict | None:
+    """One SSE chunk for the client, or None to drop it (a usage chunk nobody asked for)."""
+    choices = chunk.get("choices") or []
+    if not choices and chunk.get("usage") is not None and not ask.include_usage:
+        return None
+    if not ask.include_usage:
+        chunk.pop("usage", None)
+    shape_answer(is_chat, chunk, ask, record_id, fingerprint)
+    return chunk
+
+
+class StreamAccumulator:
+    """Builds the record's choices from streamed chunks, as they pass through."""
+
+    def __init__(self, is_chat: bool) -> None:
+        self.is_chat = is_chat
+        self.choices: dict[int, dict] = {}
+        self.usage: dict | None = None
+        self.fingerprint: str | None = None
+        self.extras: dict[str, Any] = {}
+        self.model: str | None = None
+
+    def add(self, chunk: dict) -> None:
+        if chunk.get("system_fingerprint"):
+            self.fingerprint = chunk["system_fingerprint"]
+        if chunk.get("usage") is not None:
+            self.usage = chunk["usage"]
+        self.model = self.model or chunk.get("model")
+        if not self.extras:
+            self.extras = prompt_extras(chunk)
+        for c in chunk.get("choices") or []:
+            idx = c.get("index", 0)
+            acc = self.choices.setdefault(idx, {"index": idx, "text": "", "finish_reason": None,
+                                                "token_ids": [], "logprobs": []})
+            acc["text"] += choice_text(self.is_chat, c)
+            ids = choice_token_ids(self.is_chat, c)
+            if ids is not None and acc["token_ids"] is not None:
+                acc["token_ids"].extend(ids)
+            elif ids is None and (c.get("logprobs") or c.get("token_ids") is not None):
+                acc["token_ids"] = None  # some tokens came without ids: do not fake a sequence
+            acc["logprobs"].extend(choice_logprobs(self.is_chat, c))
+            if c.get("finish_reason") is not None:
+                acc["finish_reason"] = c["finish_reason"]
+
+    def record_choices(self) -> list[dict]:
+        return [self.choices[i] for i in sorted(self.choices)]
+
+
+def worker_error(status: int, raw: bytes) -> UpstreamRejected:
+    """A worker's 4xx as our error, whichever shape it used (vLLM's code is an integer)."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        body = None
+    err = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(err, dict):
+        err = body if isinstance(body, dict) else {}
+    message = err.get("message") or err.get("detail") or raw[:500].decode(errors="replace") \
+        or f"worker answered {status}"
+    if not isinstance(message, str):
+        message = orjson.dumps(message).decode()
+    code = err.get("code")
+    param = err.get("param")
+    return UpstreamRejected(status, message,
+                            param=param if isinstance(param, str) else None,
+                            code=code if isinstance(code, str) else None)
+
+
+def stream_error(chunk: dict) -> str | None:
+    """vLLM reports failures inside a stream as a `data: {"error": {...}}` event."""
+    err = chunk.get("error")
+    if err is None:
+        return None
+    if isinstance(err, dict):
+        return str(err.get("message") or err)
+    return str(err)

@@ -1,0 +1,1 @@
+"""HTTP routes: inference (OpenAI endpoints), records and replays, operations."""

@@ -1,0 +1,148 @@
+"""`POST /v1/completions`, `POST /v1/chat/completions`: validate -> route -> forward -> record.
+
+A non-streamed answer is recorded before it is returned; a streamed one when it ends, before
+`data: [DONE]` (or as `aborted` when the client leaves). The client's answer carries the
+record id as `id` and in `X-Detgate-Record-Id`, and the worker's fingerprint.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import orjson
+from fastapi import APIRouter, Request
+from starlette.responses import Response, StreamingResponse
+
+from gateway import protocol, responses
+from gateway.errors import GatewayError, UpstreamFailed, UpstreamRejected, UpstreamTimeout
+from gateway.forward import Opened
+from gateway.protocol import ParsedRequest
+from gateway.recorder import now
+from gateway.services import Services, new_record_id, read_body, services
+from gateway.upstream import TimedOut, Unreachable
+
+router = APIRouter()
+RECORD_HEADER = "X-Detgate-Record-Id"
+
+
+@router.post(protocol.COMPLETIONS)
+async def completions(request: Request) -> Response:
+    return await _handle(request, protocol.COMPLETIONS)
+
+
+@router.post(protocol.CHAT)
+async def chat_completions(request: Request) -> Response:
+    return await _handle(request, protocol.CHAT)
+
+
+async def _handle(request: Request, endpoint: str) -> Response:
+    svc = services(request)
+    tenant = svc.auth.tenant(request.headers.get("authorization"))
+    raw = await read_body(request, svc.settings.max_body_bytes)
+    parsed = protocol.parse(endpoint, raw, svc.settings)
+    svc.recorder.ensure_up()
+    record_id = new_record_id(endpoint)
+    deadline = time.monotonic() + svc.settings.total_timeout_s
+    if parsed.stream:
+        return await _stream(svc, request, tenant, parsed, record_id, deadline)
+    return await _whole(svc, request, tenant, parsed, record_id, deadline)
+
+
+def _record(parsed: ParsedRequest, record_id: str, worker: str | None, fingerprint: str | None,
+            status: str, **rest) -> dict:
+    return {"id": record_id, "created": now(), "endpoint": parsed.endpoint,
+            "model": parsed.model, "request": parsed.body, "worker": worker,
+            "system_fingerprint": fingerprint, "status": status, **rest}
+
+
+async def _whole(svc: Services, request: Request, tenant: str, parsed: ParsedRequest,
+                 record_id: str, deadline: float) -> Response:
+    try:
+        sent = await svc.forwarder.send(parsed.model, parsed.endpoint,
+                                        orjson.dumps(parsed.body), deadline=deadline)
+    except (UpstreamRejected, UpstreamFailed, UpstreamTimeout) as exc:
+        await svc.save_quietly(tenant, _record(parsed, record_id, None, None, "failed",
+                                               choices=[], usage=None, error=exc.message))
+        raise
+    request.state.upstream_s = sent.upstream_s
+    answer = orjson.loads(sent.answer.body)
+    own = answer.get("system_fingerprint")
+    svc.router.learn(sent.worker, own)
+    fingerprint = own or sent.worker.fingerprint
+    await svc.save(tenant, _record(
+        parsed, record_id, sent.worker.url, fingerprint, "complete",
+        choices=responses.record_choices(parsed.is_chat, answer), usage=answer.get("usage"),
+        **responses.prompt_extras(answer)))
+    body = responses.shape_answer(parsed.is_chat, answer, parsed.ask, record_id, fingerprint)
+    return Response(orjson.dumps(body), media_type="application/json",
+                    headers={RECORD_HEADER: record_id})
+
+
+async def _stream(svc: Services, request: Request, tenant: str, parsed: ParsedRequest,
+                  record_id: str, deadline: float) -> Response:
+    opened = await svc.forwarder.open_stream(parsed.model, parsed.endpoint,
+                                             orjson.dumps(parsed.body), deadline=deadline)
+    return StreamingResponse(
+        _relay(svc, request, tenant, parsed, record_id, deadline, opened),
+        media_type="text/event-stream",
+        headers={RECORD_HEADER: record_id, "Cache-Control": "no-cache"})
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+async def _relay(svc: Services, request: Request, tenant: str, parsed: ParsedRequest,
+                 record_id: str, deadline: float, opened: Opened) -> AsyncIterator[bytes]:
+    worker = opened.worker
+    acc = responses.StreamAccumulator(parsed.is_chat)
+    error: GatewayError | None = None
+    status = "failed"
+
+    def record() -> dict:
+        fingerprint = acc.fingerprint or worker.fingerprint
+        extra = {"error": error.message} if error is not None else {}
+        return _record(parsed, record_id, worker.url, fingerprint, status,
+                       choices=acc.record_choices(), usage=acc.usage, **acc.extras, **extra)
+
+    try:
+        async for data in opened.stream.events():
+            if data == b"[DONE]":
+                status = "complete"
+                break
+            chunk = orjson.loads(data)
+            message = responses.stream_error(chunk)
+            if message is not None:
+                error = UpstreamFailed(message)
+                break
+            acc.add(chunk)
+            fingerprint = acc.fingerprint or worker.fingerprint
+            out = responses.shape_chunk(parsed.is_chat, chunk, parsed.ask, record_id, fingerprint)
+            if out is not None:
+                yield _sse(out)
+            if time.monotonic() > deadline:
+                error = UpstreamTimeout("the request ran out of its total time")
+                break
+        else:
+            error = UpstreamFailed("the worker ended the stream without [DONE]")
+    except (Unreachable, TimedOut) as exc:
+        svc.router.eject(worker, str(exc))
+        error = UpstreamFailed(f"worker failed mid-stream: {exc}")
+    except BaseException:
+        # The client left (cancellation) or the generator was closed: record what was sent.
+        status = "aborted"
+        svc.spawn(svc.save_quietly(tenant, record()))
+        raise
+    finally:
+        opened.stream.close()
+        svc.router.release(worker)
+        elapsed = time.perf_counter() - opened.started
+        request.state.upstream_s = elapsed
+        svc.metrics.upstream_duration.labels(worker.url).observe(elapsed)
+    svc.router.learn(worker, acc.fingerprint)
+    await svc.save_quietly(tenant, record())
+    if error is not None:
+        yield _sse({"error": {"message": error.message, "type": error.type, "param": None,
+                              "code": error.code}})
+    yield b"data: [DONE]\n\n"

@@ -1,0 +1,42 @@
+"""`GET /v1/models`, `/metrics`, `/healthz`, `/readyz`."""
+
+from __future__ import annotations
+
+import orjson
+from fastapi import APIRouter, Request
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.responses import Response
+
+from gateway.services import services
+
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> Response:
+    svc = services(request)
+    svc.auth.tenant(request.headers.get("authorization"))
+    data = [{"id": m, "object": "model", "created": 0, "owned_by": "detgate"}
+            for m in svc.router.models()]
+    return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(services(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/healthz")
+async def healthz() -> Response:
+    return Response(b'{"status":"ok"}', media_type="application/json")
+
+
+@router.get("/readyz")
+async def readyz(request: Request) -> Response:
+    svc = services(request)
+    redis_ok = await svc.recorder.ping()
+    workers_ok = svc.router.any_up()
+    body = {"status": "ready" if redis_ok and workers_ok else "not ready",
+            "redis": redis_ok, "workers_up": sum(w.up for w in svc.router.workers)}
+    return Response(orjson.dumps(body), status_code=200 if redis_ok and workers_ok else 503,
+                    media_type="application/json")

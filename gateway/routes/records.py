@@ -1,0 +1,57 @@
+"""`GET /v1/requests/{id}`, `GET /v1/requests`, `POST /replay/{id}`: the caller's own records."""
+
+from __future__ import annotations
+
+import orjson
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from gateway.errors import BadRequest, NotFound
+from gateway.replay import replay
+from gateway.services import read_body, services
+
+router = APIRouter()
+
+
+def _json(obj: dict) -> Response:
+    return Response(orjson.dumps(obj), media_type="application/json")
+
+
+@router.get("/v1/requests/{record_id}")
+async def get_record(record_id: str, request: Request) -> Response:
+    svc = services(request)
+    tenant = svc.auth.tenant(request.headers.get("authorization"))
+    found = await svc.recorder.get(tenant, record_id)
+    if found is None:
+        raise NotFound(f"no record '{record_id}'", param="id")
+    return _json(found[0])
+
+
+@router.get("/v1/requests")
+async def list_records(request: Request) -> Response:
+    svc = services(request)
+    tenant = svc.auth.tenant(request.headers.get("authorization"))
+    raw = request.query_params.get("limit", "20")
+    if not raw.isdigit() or not 1 <= int(raw) <= 1000:
+        raise BadRequest("'limit' must be an integer from 1 to 1000", param="limit")
+    return _json({"object": "list", "data": await svc.recorder.list(tenant, int(raw))})
+
+
+@router.post("/replay/{record_id}")
+async def replay_record(record_id: str, request: Request) -> Response:
+    svc = services(request)
+    tenant = svc.auth.tenant(request.headers.get("authorization"))
+    raw = await read_body(request, svc.settings.max_body_bytes)
+    load = 0
+    if raw.strip():
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise BadRequest("the body is not valid JSON") from None
+        if not isinstance(body, dict) or set(body) - {"load"}:
+            raise BadRequest("the body may hold only 'load'", param="load")
+        load = body.get("load", 0)
+        limit = svc.settings.max_replay_load
+        if not isinstance(load, int) or isinstance(load, bool) or not 0 <= load <= limit:
+            raise BadRequest(f"'load' must be an integer from 0 to {limit}", param="load")
+    return _json(await replay(svc, tenant, record_id, load))
