@@ -1,0 +1,59 @@
+"""Grouped-query self-attention over the paged KV cache, with optional per-head q/k RMSNorm."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from worker.attention_metadata import AttentionMetadata
+from worker.config import ModelConfig
+from worker.models.layers.linear import Linear
+from worker.models.layers.rms_norm import RMSNorm
+from worker.models.layers.rotary import RotaryEmbedding
+from worker.ops import KVCache, Ops
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, ops: Ops) -> None:
+        super().__init__()
+        self.ops = ops
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        q_size = config.num_heads * config.head_dim
+        kv_size = config.num_kv_heads * config.head_dim
+        self.qkv_proj = Linear(
+            config.hidden_size,
+            [q_size, kv_size, kv_size],
+            ops,
+            config.dtype,
+            bias=config.attention_bias,
+        )
+        self.o_proj = Linear(q_size, [config.hidden_size], ops, config.dtype)
+        self.rotary = rotary
+        self.q_norm = (
+            RMSNorm(config.head_dim, config.rms_norm_eps, ops, config.dtype)
+            if config.qk_norm
+            else None
+        )
+        self.k_norm = (
+            RMSNorm(config.head_dim, config.rms_norm_eps, ops, config.dtype)
+            if config.qk_norm
+            else None
+        )
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
+    ) -> torch.Tensor:
+        # positions: [T]; x: [T, hidden]
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.ops.attention(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))

@@ -1,0 +1,23 @@
+"""SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up in one matmul."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.config import ModelConfig
+from worker.models.layers.linear import Linear
+from worker.ops import Ops
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, config: ModelConfig, ops: Ops) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, [size, size], ops, config.dtype)
+        self.down_proj = Linear(size, [config.hidden_size], ops, config.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

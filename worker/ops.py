@@ -1,0 +1,174 @@
+"""The model's reducing ops, in one of two numeric modes chosen when the model is built.
+
+Only matmul, RMSNorm, attention and log_softmax reduce; everything else in the decoder is
+pointwise (or a gather) and is batch-invariant already. `make_ops("default")` uses plain torch:
+fast, but its reduction order may depend on how many rows are in the batch.
+`make_ops("batch_invariant")` routes every reduction through `kernels`, whose results for one
+row never depend on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from worker.attention_metadata import AttentionMetadata
+
+KVCache = tuple[
+    torch.Tensor, torch.Tensor
+]  # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
+
+MODES = ("default", "batch_invariant")
+
+
+class DefaultOps:
+    """Plain torch: cuBLAS / MKL matmuls, torch RMSNorm math, SDPA over the gathered cache."""
+
+    mode = "default"
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * xf.to(x.dtype)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = x + residual
+        return self.rms_norm(residual, weight, eps), residual
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        # q: [T, Hq, D]; k, v: [T, Hkv, D]
+        k_cache, v_cache = kv_cache
+        _store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return _padded_sdpa(q, k_cache, v_cache, meta, scale)
+
+    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
+        return F.log_softmax(logits.float(), dim=-1)
+
+
+class BatchInvariantOps:
+    """Every reduction through `kernels`: one order per output element, whatever the batch."""
+
+    mode = "batch_invariant"
+
+    def __init__(self) -> None:
+        from kernels.attention import paged_attention, store_kv
+
+        import kernels
+
+        self._kernels = kernels
+        self._store_kv = store_kv
+        self._paged_attention = paged_attention
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        # weight: [N, K] as nn.Linear stores it; the kernel reads its transposed view, no copy.
+        out = self._kernels.matmul(x.reshape(-1, x.shape[-1]), weight.t(), bias)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self._kernels.rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._kernels.add_rms_norm(x, residual, weight, eps)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        # K/V go into the cache BEFORE attention, so fresh and cached keys are read and reduced
+        # the same way: a prompt gives the same bits whether prefilled at once, in chunks, or
+        # found in the prefix cache.
+        k_cache, v_cache = kv_cache
+        self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self._paged_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale
+        )
+
+    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
+        return self._kernels.log_softmax(logits, dim=-1)
+
+
+Ops = DefaultOps | BatchInvariantOps
+
+
+def make_ops(mode: str) -> Ops:
+    if mode == "default":
+        return DefaultOps()
+    if mode == "batch_invariant":
+        return BatchInvariantOps()
+    raise ValueError(f"unknown numeric mode {mode!r}; expected one of {MODES}")
+
+
+def _store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    _, _, hkv, d = k_cache.shape
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    k_cache.view(-1, hkv, d).index_copy_(0, slots, k[valid].to(k_cache.dtype))
+    v_cache.view(-1, hkv, d).index_copy_(0, slots, v[valid].to(v_cache.dtype))
+
+
+def _padded_sdpa(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Gather every sequence's K/V into a padded batch and run one masked SDPA call."""
+    block_size = k_cache.shape[1]
+    num_blocks = -(-meta.max_seq_len // block_size)
+    qsl = meta.query_start_loc.long()
+    q_lens = qsl[1:] - qsl[:-1]  # [B]
+    seq_lens = meta.seq_lens.long()  # [B]
+    device = q.device
+
+    tables = meta.block_tables[:, :num_blocks].long().clamp(min=0)  # [B, nb]
+    b, nb = tables.shape
+    keys = k_cache[tables].reshape(b, nb * block_size, *k_cache.shape[2:]).transpose(1, 2)
+    values = v_cache[tables].reshape(b, nb * block_size, *v_cache.shape[2:]).transpose(1, 2)
+    # keys, values: [B, Hkv, L, D]
+
+    j = torch.arange(meta.max_query_len, device=device)
+    q_valid = j[None, :] < q_lens[:, None]  # [B, max_q]
+    token = torch.where(q_valid, qsl[:-1, None] + j[None, :], 0)
+    queries = q[token].transpose(1, 2)  # [B, Hq, max_q, D]
+    # Padding queries get positions >= seq_len, so every row sees at least one key (no NaN rows).
+    q_pos = seq_lens[:, None] - q_lens[:, None] + j[None, :]  # [B, max_q]
+    k_pos = torch.arange(nb * block_size, device=device)
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (
+        k_pos[None, None, :] < seq_lens[:, None, None]
+    )
+
+    out = F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=mask[:, None], scale=scale, enable_gqa=True
+    )
+    return out.transpose(1, 2)[q_valid]  # [T, Hq, D]: row-major order over (B, j) = token order
