@@ -1,0 +1,33 @@
+# syntax=docker/dockerfile:1
+# A built-in worker on the CPU: the CPU build of torch first, so that nothing pulls a CUDA
+# build, then detgate with the worker extra. The demo model is written into the state
+# directory (a volume) on first start; mount a Hugging Face style folder to serve another.
+FROM python:3.12-slim
+
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+
+WORKDIR /build
+COPY pyproject.toml README.md ./
+COPY detgate detgate
+COPY gateway gateway
+COPY worker worker
+COPY kernels kernels
+RUN pip install ".[worker]" \
+    && rm -rf /build \
+    && useradd --system --create-home --uid 10001 detgate \
+    && install -d -o detgate -g detgate /var/lib/detgate
+
+WORKDIR /home/detgate
+USER detgate
+ENV DETGATE_STATE_DIR=/var/lib/detgate
+VOLUME ["/var/lib/detgate"]
+EXPOSE 9001
+CMD ["detgate", "worker", "--model", "tiny", "--device", "cpu", "--host", "0.0.0.0", "--port", "9001"]
