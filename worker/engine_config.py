@@ -1,0 +1,62 @@
+"""EngineConfig: every knob of one worker process, built once where the process starts."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+MODES = ("batch_invariant", "default")
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "tiny"
+    mode: str = "batch_invariant"
+    device: str = "cpu"
+    dtype: str = "float32"
+    # Scheduler limits: sequences in flight and tokens run in one step.
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    # Longest prefill chunk one sequence gets in a step; None = only the token budget limits it.
+    chunk_size: int | None = None
+    block_size: int = 16
+    # KV cache size: blocks, or MiB; neither = enough for max_num_seqs full-length sequences
+    # on CPU (capped at DEFAULT_CPU_KV_MB) or a share of free memory on CUDA.
+    num_kv_blocks: int | None = None
+    kv_cache_mb: int | None = None
+    enable_prefix_cache: bool = True
+    # None = the model's max_position_embeddings (capped by the KV cache's capacity).
+    max_model_len: int | None = None
+    max_n: int = 16
+    max_top_logprobs: int = 20
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.block_size < 16 or self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a power of two >= 16")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "num_kv_blocks",
+                     "kv_cache_mb", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive")
+
+    @property
+    def prefill_chunk(self) -> int:
+        return self.chunk_size or self.max_num_batched_tokens
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EngineConfig:
+        """From `detgate worker` / `detgate bench engine` arguments (absent flags keep defaults)."""
+        values = {name: getattr(args, name) for name in cls.__dataclass_fields__
+                  if getattr(args, name, None) is not None}
+        if getattr(args, "no_prefix_cache", False):
+            values["enable_prefix_cache"] = False
+        return cls(**values)
+
+
+DEFAULT_CPU_KV_MB = 1024
+CUDA_KV_MEMORY_FRACTION = 0.85

@@ -1,0 +1,158 @@
+"""Continuous batching: which sequences run in the next step, and with how many tokens.
+
+Each step mixes decodes (one token each) and prefill chunks under a token budget. Running
+sequences go first, in admission order; waiting sequences are admitted while the budget,
+max_num_seqs and the KV cache allow. When a decode needs a new block and none is free, the
+newest running sequence is preempted: its blocks are freed and it goes back to the front of the
+waiting queue, to be recomputed (its full blocks usually come straight back from the prefix
+cache). In batch-invariant mode none of this changes any token's numbers.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from worker.block_manager import BlockManager
+from worker.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    """`num_tokens` tokens of `seq` starting at position `start` run in this step."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def completes_prefill(self) -> bool:
+        """This chunk reaches the sequence's last token, whose logits give the next token."""
+        return self.end == len(self.seq)
+
+    @property
+    def samples(self) -> bool:
+        return self.completes_prefill and self.seq.params.max_tokens > 0
+
+
+@dataclass
+class Batch:
+    entries: list[ScheduledSeq]
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(e.num_tokens for e in self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
+                 max_num_batched_tokens: int, prefill_chunk: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_chunk = prefill_chunk
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Batch:
+        budget = self.max_num_batched_tokens
+        entries: list[ScheduledSeq] = []
+        preempted = 0
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            while not self.block_manager.can_append(seq):
+                victim = self.running[-1]  # the newest; never one already scheduled (index < i)
+                self._preempt(victim)
+                preempted += 1
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.append(seq)
+                entries.append(self._entry(seq, budget))
+                budget -= entries[-1].num_tokens
+                i += 1
+        # Admitting while preempting would only preempt again.
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.max_num_seqs):
+            seq = self.waiting[0]
+            if seq.params.single_pass and len(seq) > budget:
+                break
+            if not self.block_manager.can_allocate(seq):
+                break
+            self.block_manager.allocate(seq)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            entries.append(self._entry(seq, budget))
+            budget -= entries[-1].num_tokens
+        self.num_preemptions += preempted
+        return Batch(entries, preempted)
+
+    def postprocess(self, batch: Batch, sampled_token_ids: list[int]) -> None:
+        """Record a step's work: computed tokens, published blocks, one new token per sampler."""
+        sampled = iter(sampled_token_ids)
+        for entry in batch.entries:
+            seq = entry.seq
+            seq.num_computed_tokens = entry.end
+            self.block_manager.register_computed(seq)
+            if not entry.completes_prefill:
+                continue
+            if not entry.samples:
+                self.finish(seq, "length")
+                continue
+            token_id = next(sampled)
+            seq.token_ids.append(token_id)
+            reason = stop_reason(seq, token_id)
+            if reason is not None:
+                self.finish(seq, reason)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End `seq` (stop, length or abort) wherever it is, and free its blocks."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            return
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def _entry(self, seq: Sequence, budget: int) -> ScheduledSeq:
+        remaining = seq.num_uncomputed_tokens
+        n = remaining if seq.params.single_pass else min(remaining, self.prefill_chunk, budget)
+        return ScheduledSeq(seq, seq.num_computed_tokens, n)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+
+def stop_reason(seq: Sequence, token_id: int) -> str | None:
+    params = seq.params
+    if token_id in params.stop_token_ids:
+        return "stop"
+    if not params.ignore_eos and token_id in seq.eos_token_ids:
+        return "stop"
+    if seq.num_completion_tokens >= params.max_tokens:
+        return "length"
+    return None
