@@ -1,0 +1,98 @@
+"""Gateway fixtures: real gateway processes (`start_gateway`) against a real Redis, and a
+vLLM-shaped fixture worker (`vllm_worker`) that also records what reached it."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+import redis
+
+from tests.gateway.vllm_worker import VllmFixtureWorker
+from tests.support.procs import Proc, detgate_cmd, free_port
+
+
+@dataclass
+class Gateway:
+    proc: Proc
+    url: str
+    prefix: str
+    redis_url: str
+
+    def client(self, key: str = "open") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+    def http(self, key: str | None = None) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=120)
+
+    def redis_keys(self) -> list[bytes]:
+        client = redis.Redis.from_url(self.redis_url)
+        try:
+            return list(client.scan_iter(match=f"{self.prefix}:*", count=1000))
+        finally:
+            client.close()
+
+    def metric(self, name: str, **labels: str) -> float:
+        """One sample of /metrics (0.0 when absent)."""
+        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        for line in text.splitlines():
+            if line.startswith("#"):
+                continue
+            series, _, value = line.rpartition(" ")
+            metric, _, rest = series.partition("{")
+            got = ",".join(sorted(rest.rstrip("}").split(","))) if rest else ""
+            if metric == name and got == want:
+                return float(value)
+        return 0.0
+
+
+@pytest.fixture
+def start_gateway(redis_url, tmp_path) -> Iterator:
+    """`start_gateway(workers, api_keys="", redis=..., env={}, wait="/readyz")` -> Gateway.
+
+    Each gateway gets its own Redis key prefix; its keys are deleted afterwards."""
+    started: list[Gateway] = []
+
+    def start(workers: list[str], *, api_keys: str = "", redis: str | None = None,
+              env: dict[str, str] | None = None, wait: str = "/readyz") -> Gateway:
+        port = free_port()
+        prefix = f"detgate-test-{secrets.token_hex(4)}"
+        url = f"http://127.0.0.1:{port}"
+        proc_env = {
+            "DETGATE_HOST": "127.0.0.1", "DETGATE_PORT": str(port),
+            "DETGATE_WORKERS": ",".join(workers), "DETGATE_API_KEYS": api_keys,
+            "DETGATE_REDIS_URL": redis or redis_url, "DETGATE_KEY_PREFIX": prefix,
+            "DETGATE_HEALTH_INTERVAL_S": "0.2", "DETGATE_CONNECT_TIMEOUT_S": "1",
+            **(env or {}),
+        }
+        proc = Proc(detgate_cmd("gateway"), url, tmp_path / f"gateway-{port}.log", env=proc_env)
+        gw = Gateway(proc, url, prefix, redis or redis_url)
+        started.append(gw)
+        proc.start(wait, timeout=60)
+        return gw
+
+    yield start
+    for gw in started:
+        gw.proc.stop()
+    client = redis.Redis.from_url(redis_url)
+    try:
+        for gw in started:
+            keys = list(client.scan_iter(match=f"{gw.prefix}:*", count=1000))
+            if keys:
+                client.delete(*keys)
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def vllm_worker() -> Iterator[VllmFixtureWorker]:
+    worker = VllmFixtureWorker()
+    worker.start()
+    yield worker
+    worker.stop()
