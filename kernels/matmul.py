@@ -1,0 +1,237 @@
+"""Batch-invariant matmul in Triton: C[M, N] = A[M, K] @ B[K, N] (+ bias[N]).
+
+Invariant (what makes row i independent of M): every output element is reduced over K in
+chunks of BLOCK_K, in increasing k, by one program, into one fp32 accumulator, with the same
+matrix instruction (wgmma k16 for bf16/fp16 on Hopper, mma otherwise; FMA for fp32, which runs
+as IEEE fp32, never TF32). There is no split-K and no stream-K. The tile shape in M and N
+(`TileConfig`) may follow the problem's shape, because it only decides which program computes
+an element, never the order of its K reduction: every config of a dtype shares BLOCK_K and the
+K loop. This is checked bitwise, config against config and over M = 1..8192, on the GPU
+(tests/kernels/test_gpu_ops.py, bench/gpu_kernels.py).
+
+Two launch paths with the same reduction: a persistent kernel fed by TMA tensor descriptors
+(Hopper and later, 16-byte aligned operands) and a pointer kernel for everything else.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+_SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
+
+# One BLOCK_K per dtype, for every shape: the K chunking must never depend on M.
+BLOCK_K_16BIT = 64
+BLOCK_K_FP32 = 32
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    # Programs per SM for the persistent grid: >1 lets small memory-bound tiles overlap.
+    ctas_per_sm: int = 1
+    group_m: int = 8
+
+
+# Hopper, 16-bit operands. Tiles only: BLOCK_K is BLOCK_K_16BIT for all of them.
+CONFIGS_16BIT = {
+    "m128n256": TileConfig(128, 256, 8, 3),
+    "m128n128": TileConfig(128, 128, 8, 4),
+    "m128n128w4": TileConfig(128, 128, 4, 4),
+    "m64n256": TileConfig(64, 256, 4, 4),
+    "m64n128": TileConfig(64, 128, 4, 5, ctas_per_sm=1),
+    "m64n64": TileConfig(64, 64, 4, 6, ctas_per_sm=2),
+    "m64n32": TileConfig(64, 32, 4, 8, ctas_per_sm=2),
+    "m64n16": TileConfig(64, 16, 4, 8, ctas_per_sm=3),
+}
+CONFIG_FP32 = TileConfig(64, 64, 4, 3)
+CONFIG_INTERPRETER = TileConfig(16, 32, 4, 1)
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    num_sms: int
+    capability: tuple[int, int]
+
+
+@functools.cache
+def device_info(index: int | None) -> DeviceInfo:
+    """Queried once per device: the launch path must not pay for it on every call."""
+    if index is None:  # CPU tensors under TRITON_INTERPRET=1
+        return DeviceInfo(num_sms=4, capability=(0, 0))
+    props = torch.cuda.get_device_properties(index)
+    return DeviceInfo(num_sms=props.multi_processor_count, capability=(props.major, props.minor))
+
+
+def pick_config(m: int, n: int, k: int, dtype: torch.dtype, info: DeviceInfo) -> TileConfig:
+    """Tile shape from the problem's shape. Any choice is safe for invariance (see module doc);
+    this only trades parallelism (enough programs to stream the weights at small M) against
+    reuse (large tiles at large M)."""
+    if info.capability == (0, 0):
+        return CONFIG_INTERPRETER
+    if dtype == torch.float32:
+        return CONFIG_FP32
+    c = CONFIGS_16BIT
+    if m <= 64:
+        # Memory-bound: the weights are read once; enough programs must stream them.
+        for name in ("m64n128", "m64n64", "m64n32"):
+            if triton.cdiv(n, c[name].block_n) >= info.num_sms:
+                return c[name]
+        return c["m64n16"]
+    if m <= 128:
+        return c["m64n128"] if triton.cdiv(n, 128) >= info.num_sms else c["m64n64"]
+    if m <= 512:
+        return c["m128n128"]
+    return c["m128n256"]
+
+
+@triton.jit
+def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    # Grouped order: GROUP_M row-tiles share each column of B while it sits in L2.
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = tile_id // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (tile_id % group_size_m)
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _matmul_tma_kernel(a_desc, b_desc, c_desc, bias_ptr, M, N, K, num_tiles, grid_size,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr, B_IS_NK: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr):
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    for tile_id in tl.range(tl.program_id(0), num_tiles, grid_size, flatten=True):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # The K order: chunk 0, 1, ... k_tiles-1, one dot each, into the same accumulator.
+        # Out-of-range rows/columns/K are zero-filled by the descriptor.
+        for ki in range(k_tiles):
+            a = a_desc.load([off_m, ki * BLOCK_K])
+            if B_IS_NK:
+                b = b_desc.load([off_n, ki * BLOCK_K]).T
+            else:
+                b = b_desc.load([ki * BLOCK_K, off_n])
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if HAS_BIAS:
+            offs_n = off_n + tl.arange(0, BLOCK_N)
+            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+            acc = acc + bias.to(tl.float32)[None, :]
+        c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+
+
+@triton.jit
+def _matmul_ptr_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
+                       stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr):
+    pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N),
+                                GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Same K order as the TMA kernel: masked-out elements load as 0 and add exactly nothing.
+    for ki in range(tl.cdiv(K, BLOCK_K)):
+        k = ki * BLOCK_K + offs_k
+        a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :] * stride_ak,
+                    mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)
+        b = tl.load(b_ptr + k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
+                    mask=(k[:, None] < K) & (offs_n[None, :] < N), other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+        acc = acc + bias.to(tl.float32)[None, :]
+    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+             acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def _check(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"matmul wants 2-D operands, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"matmul shapes do not chain: {tuple(a.shape)} @ {tuple(b.shape)}")
+    if a.dtype not in _SUPPORTED or b.dtype != a.dtype:
+        raise TypeError(f"matmul supports {_SUPPORTED} with equal dtypes, got {a.dtype}, {b.dtype}")
+    if a.device != b.device:
+        raise ValueError(f"matmul operands on different devices: {a.device}, {b.device}")
+    if bias is not None and (bias.shape != (b.shape[1],) or bias.dtype != a.dtype
+                             or bias.device != a.device):
+        raise ValueError(f"bias must be [{b.shape[1]}] {a.dtype} on {a.device}")
+
+
+def _tma_ok(t: torch.Tensor, strides: tuple[int, ...]) -> bool:
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and all((s * size) % 16 == 0 for s in strides)
+
+
+def _b_layout(b: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(tensor, is_nk): a transposed nn.Linear weight W.t() is used as W [N, K] without a copy."""
+    k, n = b.shape
+    if b.stride(0) == 1 and (n == 1 or b.stride(1) >= k):
+        return b.t(), True
+    if b.stride(1) == 1 and (k == 1 or b.stride(0) >= n):
+        return b, False
+    return b.contiguous(), False
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
+           config: TileConfig | None = None) -> torch.Tensor:
+    """a [M, K] @ b [K, N] (+ bias [N]) -> [M, N] in a's dtype; rows independent of M.
+
+    `config` overrides the tile choice (benchmarks and invariance checks only)."""
+    _check(a, b, bias)
+    m, k = a.shape
+    n = b.shape[1]
+    out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.copy_(bias.expand(m, n)) if bias is not None else out.zero_()
+    if a.stride(1) != 1 or (m > 1 and a.stride(0) < k):
+        a = a.contiguous()
+    a_stride0 = a.stride(0) if m > 1 else k
+    bt, b_is_nk = _b_layout(b)
+    info = device_info(a.device.index if a.device.type == "cuda" else None)
+    cfg = config or pick_config(m, n, k, a.dtype, info)
+    block_k = BLOCK_K_FP32 if a.dtype == torch.float32 else BLOCK_K_16BIT
+    precision = "ieee" if a.dtype == torch.float32 else "tf32"
+    bias_arg = bias if bias is not None else out
+    b_strides = (bt.stride(0),)
+    use_tma = (info.capability >= (9, 0) or info.capability == (0, 0)) and \
+        _tma_ok(a, (a_stride0,)) and _tma_ok(bt, b_strides) and _tma_ok(out, (n,))
+    if use_tma:
+        a_desc = TensorDescriptor(a, [m, k], [a_stride0, 1], [cfg.block_m, block_k])
+        b_block = [cfg.block_n, block_k] if b_is_nk else [block_k, cfg.block_n]
+        b_desc = TensorDescriptor(bt, list(bt.shape), [bt.stride(0), 1], b_block)
+        c_desc = TensorDescriptor(out, [m, n], [n, 1], [cfg.block_m, cfg.block_n])
+        num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+        grid = min(num_tiles, info.num_sms * cfg.ctas_per_sm)
+        _matmul_tma_kernel[(grid,)](
+            a_desc, b_desc, c_desc, bias_arg, m, n, k, num_tiles, grid,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
+            B_IS_NK=b_is_nk, HAS_BIAS=bias is not None, PRECISION=precision,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    else:
+        stride_bk, stride_bn = (bt.stride(1), bt.stride(0)) if b_is_nk else bt.stride()
+        grid = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+        _matmul_ptr_kernel[(grid,)](
+            a, bt, out, bias_arg, m, n, k, a_stride0, 1, stride_bk, stride_bn, n, 1,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
+            HAS_BIAS=bias is not None, PRECISION=precision,
+            num_warps=cfg.num_warps, num_stages=min(cfg.num_stages, 4))
+    return out

@@ -1,0 +1,92 @@
+"""Batch-invariant RMSNorm in Triton, optionally fused with the residual add.
+
+Invariant: one program per row, the whole row in that program, one fixed reduction tree for the
+sum of squares (set by BLOCK = next power of two >= H). The row count never changes how a row
+is reduced: there is no split reduction for small batches.
+
+Numerics follow the Hugging Face / vLLM RMSNorm: new_residual = x + residual in x's dtype; the
+statistics in fp32; the normalised row rounded to x's dtype before the weight multiplies it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
+MAX_HIDDEN = 65536
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, stride_x, stride_res,
+                     stride_out, stride_res_out, eps,
+                     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < H
+    dtype = out_ptr.dtype.element_ty
+    # 16-bit arithmetic runs as fp32 rounded once to x's dtype, as torch computes it.
+    xf = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
+        x = (xf + r).to(dtype)
+        tl.store(res_out_ptr + row * stride_res_out + offs, x, mask=mask)
+        xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    # Normalised row rounded to x's dtype, then weighted (the product of two 16-bit values is
+    # exact in fp32, so this equals the 16-bit multiply).
+    y = (xf * rstd).to(dtype).to(tl.float32) * w
+    tl.store(out_ptr + row * stride_out + offs, y.to(dtype), mask=mask)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dim() < 1 or weight.shape != (x.shape[-1],):
+        raise ValueError(f"rms_norm wants x [..., H] and weight [H], got {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)}")
+    if x.dtype not in _SUPPORTED or weight.dtype != x.dtype:
+        raise TypeError(f"rms_norm supports {_SUPPORTED} with weight in x's dtype, "
+                        f"got {x.dtype}, {weight.dtype}")
+    if x.shape[-1] > MAX_HIDDEN:
+        raise ValueError(f"rms_norm keeps a whole row in one program: H <= {MAX_HIDDEN}")
+
+
+def _launch(x2: torch.Tensor, res2: torch.Tensor | None, weight: torch.Tensor, eps: float
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    rows, h = x2.shape
+    out = torch.empty_like(x2)
+    res_out = torch.empty_like(x2) if res2 is not None else None
+    if rows == 0:
+        return out, res_out
+    block = triton.next_power_of_2(h)
+    num_warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
+    _rms_norm_kernel[(rows,)](
+        x2, res2 if res2 is not None else x2, weight, out,
+        res_out if res_out is not None else out, h, x2.stride(0),
+        res2.stride(0) if res2 is not None else 0, out.stride(0),
+        res_out.stride(0) if res_out is not None else 0, eps,
+        BLOCK=block, HAS_RESIDUAL=res2 is not None, num_warps=num_warps)
+    return out, res_out
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., H] -> RMSNorm(x) * weight, same shape and dtype."""
+    _check(x, weight)
+    out, _ = _launch(_rows(x), None, weight.contiguous(), eps)
+    return out.view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual) * weight, x + residual), the sum in x's dtype."""
+    _check(x, weight)
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"residual must match x: {tuple(residual.shape)} {residual.dtype}")
+    out, res_out = _launch(_rows(x), _rows(residual), weight.contiguous(), eps)
+    return out.view(x.shape), res_out.view(x.shape)

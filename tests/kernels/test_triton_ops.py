@@ -1,0 +1,218 @@
+"""The Triton kernels (matmul, rms_norm, add_rms_norm, log_softmax) on small shapes.
+
+Without CUDA they run under Triton's interpreter (TRITON_INTERPRET=1, set before the kernel
+modules are imported) on CPU tensors; with CUDA, natively. Each kernel must match a float64
+reference and be bitwise batch-invariant: a row computed inside a batch of any size equals the
+same row computed alone.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from importlib import import_module  # noqa: E402
+
+import numpy as np  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime import interpreter  # noqa: E402
+
+# The package exports functions named like these modules: reach the modules themselves.
+mm_mod = import_module("kernels.matmul")
+rn_mod = import_module("kernels.rmsnorm")
+ls_mod = import_module("kernels.log_softmax")
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter_bf16():
+    """Triton 3.6's interpreter keeps bf16 as raw uint16: tl.dot multiplies those integers and
+    fp32 -> bf16 casts truncate. Give it the GPU's semantics: dot on the (exact) fp32 values,
+    casts rounding to nearest even."""
+    if ON_GPU:
+        yield
+        return
+    builder = interpreter.InterpreterBuilder
+    original_dot, original_cast = builder.create_dot, builder.cast_impl
+
+    def widen(h):
+        if h.dtype.scalar != tl.bfloat16:
+            return h
+        return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32),
+                                        tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
+            return interpreter.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16),
+                                            tl.bfloat16)
+        return original_cast(self, src, dst_type)
+
+    builder.create_dot, builder.cast_impl = create_dot, cast_impl
+    yield
+    builder.create_dot, builder.cast_impl = original_dot, original_cast
+
+
+def test_runs_interpreted_without_cuda():
+    if not ON_GPU:
+        assert isinstance(mm_mod._matmul_tma_kernel, interpreter.InterpretedFunction)
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(*shape, dtype, seed):
+    return torch.randn(*shape, generator=_gen(seed)).to(dtype).to(DEVICE)
+
+
+# ---------------------------------------------------------------------------------- matmul
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b_layout", ["linear_weight_t", "row_major"])
+def test_matmul_matches_reference_and_is_batch_invariant(dtype, b_layout):
+    m, n, k = 37, 48, 96
+    a = _randn(m, k, dtype=dtype, seed=1)
+    w = _randn(n, k, dtype=dtype, seed=2)
+    bias = _randn(n, dtype=dtype, seed=3)
+    b = w.t() if b_layout == "linear_weight_t" else w.t().contiguous()
+    out = mm_mod.matmul(a, b, bias)
+    assert out.shape == (m, n) and out.dtype == dtype
+    ref = a.double() @ b.double() + bias.double()
+    assert _rel_err(out, ref) < TOL[dtype]
+    for rows in range(1, m + 1):
+        assert torch.equal(mm_mod.matmul(a[:rows], b, bias), out[:rows]), rows
+    # a row alone, from the middle of the batch
+    assert torch.equal(mm_mod.matmul(a[20:21], b, bias), out[20:21])
+
+
+def test_matmul_uses_linear_weight_without_copy():
+    w = _randn(64, 32, dtype=torch.bfloat16, seed=4)
+    used, is_nk = mm_mod._b_layout(w.t())
+    assert is_nk and used.data_ptr() == w.data_ptr() and used.shape == w.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matmul_unaligned_shapes_take_pointer_path_with_same_bits(dtype):
+    # K = 6 bf16 (12-byte rows) cannot be a TMA descriptor: the pointer kernel serves it.
+    m, n, k = 19, 20, 6 if dtype == torch.bfloat16 else 5
+    a = _randn(m, k, dtype=dtype, seed=5)
+    b = _randn(k, n, dtype=dtype, seed=6)
+    out = mm_mod.matmul(a, b)
+    assert _rel_err(out, a.double() @ b.double()) < TOL[dtype]
+    for rows in (1, 2, 7, 16, 19):
+        assert torch.equal(mm_mod.matmul(a[:rows], b), out[:rows])
+
+
+def test_matmul_fp32_is_ieee_not_tf32():
+    # TF32 keeps 10 mantissa bits: the error would be ~1e-4; IEEE fp32 stays ~1e-7.
+    a = _randn(32, 256, dtype=torch.float32, seed=7)
+    b = _randn(256, 32, dtype=torch.float32, seed=8)
+    assert _rel_err(mm_mod.matmul(a, b), a.double() @ b.double()) < 1e-6
+
+
+def test_matmul_rejects_bad_inputs():
+    a = _randn(4, 8, dtype=torch.float32, seed=9)
+    with pytest.raises(ValueError):
+        mm_mod.matmul(a, _randn(7, 4, dtype=torch.float32, seed=9))
+    with pytest.raises(TypeError):
+        mm_mod.matmul(a, _randn(8, 4, dtype=torch.bfloat16, seed=9))
+    with pytest.raises(ValueError):
+        mm_mod.matmul(a, _randn(8, 4, dtype=torch.float32, seed=9),
+                      _randn(5, dtype=torch.float32, seed=9))
+
+
+def test_matmul_degenerate_shapes():
+    a = _randn(3, 0, dtype=torch.float32, seed=10)
+    b = _randn(0, 4, dtype=torch.float32, seed=10)
+    bias = _randn(4, dtype=torch.float32, seed=11)
+    assert torch.equal(mm_mod.matmul(a, b, bias), bias.expand(3, 4))
+    assert mm_mod.matmul(_randn(0, 8, dtype=torch.float32, seed=1),
+                         _randn(8, 4, dtype=torch.float32, seed=1)).shape == (0, 4)
+
+
+# -------------------------------------------------------------------------------- rms_norm
+
+
+def _rms_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.double()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)) * w.double()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_matches_reference_and_is_batch_invariant(dtype):
+    x = _randn(2, 9, 96, dtype=dtype, seed=12)
+    w = _randn(96, dtype=dtype, seed=13)
+    out = rn_mod.rms_norm(x, w, 1e-6)
+    assert out.shape == x.shape and out.dtype == dtype
+    assert _rel_err(out, _rms_ref(x, w, 1e-6)) < TOL[dtype]
+    flat = x.reshape(-1, 96)
+    full = out.reshape(-1, 96)
+    for rows in (1, 2, 5, 17, 18):
+        assert torch.equal(rn_mod.rms_norm(flat[:rows], w, 1e-6), full[:rows])
+    assert torch.equal(rn_mod.rms_norm(flat[11:12], w, 1e-6), full[11:12])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_fuses_the_residual(dtype):
+    x = _randn(13, 80, dtype=dtype, seed=14)
+    res = _randn(13, 80, dtype=dtype, seed=15)
+    w = _randn(80, dtype=dtype, seed=16)
+    out, new_res = rn_mod.add_rms_norm(x, res, w, 1e-5)
+    assert torch.equal(new_res, x + res)  # the sum in x's dtype, bit for bit
+    assert _rel_err(out, _rms_ref(x + res, w, 1e-5)) < TOL[dtype]
+    for rows in (1, 4, 13):
+        o, r = rn_mod.add_rms_norm(x[:rows], res[:rows], w, 1e-5)
+        assert torch.equal(o, out[:rows]) and torch.equal(r, new_res[:rows])
+
+
+def test_rms_norm_rejects_bad_inputs():
+    x = _randn(3, 8, dtype=torch.float32, seed=17)
+    with pytest.raises(ValueError):
+        rn_mod.rms_norm(x, _randn(7, dtype=torch.float32, seed=17), 1e-6)
+    with pytest.raises(TypeError):
+        rn_mod.rms_norm(x, _randn(8, dtype=torch.bfloat16, seed=17), 1e-6)
+
+
+# ----------------------------------------------------------------------------- log_softmax
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_log_softmax_matches_reference_and_is_batch_invariant(dtype, monkeypatch):
+    # A small chunk so that the online (multi-chunk) path runs: V = 3.5 chunks.
+    monkeypatch.setattr(ls_mod, "BLOCK", 64)
+    x = (_randn(11, 224, dtype=torch.float32, seed=18) * 8).to(dtype)
+    out = ls_mod.log_softmax(x)
+    assert out.dtype == torch.float32 and out.shape == x.shape
+    ref = torch.log_softmax(x.double(), dim=-1)
+    assert (out.double() - ref).abs().max().item() < 1e-5
+    for rows in (1, 3, 8, 11):
+        assert torch.equal(ls_mod.log_softmax(x[:rows]), out[:rows])
+
+
+def test_log_softmax_masked_logits_and_other_dims(monkeypatch):
+    monkeypatch.setattr(ls_mod, "BLOCK", 32)
+    x = _randn(4, 100, dtype=torch.float32, seed=19)
+    x[:, :40] = float("-inf")  # whole leading chunks masked out
+    out = ls_mod.log_softmax(x)
+    assert torch.isneginf(out[:, :40]).all()
+    assert torch.allclose(out, torch.log_softmax(x, -1), atol=1e-6)
+    y = _randn(6, 5, 3, dtype=torch.float32, seed=20)
+    assert torch.allclose(ls_mod.log_softmax(y, dim=1), torch.log_softmax(y, 1), atol=1e-6)
