@@ -10,7 +10,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from gateway.errors import Conflict, GatewayError, NoWorker, UpstreamFailed, UpstreamTimeout
+from gateway.errors import (
+    Conflict,
+    GatewayError,
+    NotFound,
+    NoWorker,
+    UpstreamFailed,
+    UpstreamTimeout,
+)
 from gateway.metrics import Metrics
 from gateway.responses import worker_error
 from gateway.router import Router, Worker
@@ -47,7 +54,7 @@ class Forwarder:
             return pinned
         try:
             return self.router.choose(model, exclude=tried)
-        except (NoWorker, Conflict):
+        except (NoWorker, Conflict, NotFound):
             if last is not None:
                 raise last from None
             raise

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from gateway.errors import Conflict, NoWorker
+from gateway.errors import Conflict, NotFound, NoWorker
 from gateway.metrics import Metrics
 from gateway.upstream import TimedOut, Unreachable, Upstream
 
@@ -71,9 +71,12 @@ class Router:
         if not candidates:
             if fingerprint is not None:
                 raise Conflict(f"no healthy worker has fingerprint {fingerprint}")
-            if any(w.up for w in self.workers):
-                raise NoWorker(f"no healthy worker serves model '{model}'")
-            raise NoWorker("no healthy worker")
+            if not any(w.up for w in self.workers):
+                raise NoWorker("no healthy worker")
+            if exclude is None and not any(model in w.models for w in self.workers):
+                raise NotFound(f"the model '{model}' does not exist", param="model",
+                               code="model_not_found")
+            raise NoWorker(f"no healthy worker serves model '{model}'")
         self._turn += 1
         n = len(candidates)
         best = min(range(n), key=lambda i: (candidates[i].inflight, (i - self._turn) % n))

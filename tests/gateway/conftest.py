@@ -6,6 +6,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import openai
@@ -52,9 +53,8 @@ class Gateway:
         return 0.0
 
 
-@pytest.fixture
-def start_gateway(redis_url, tmp_path) -> Iterator:
-    """`start_gateway(workers, api_keys="", redis=..., env={}, wait="/readyz")` -> Gateway.
+def _gateway_starter(redis_url: str, log_dir: Path) -> Iterator:
+    """`start(workers, api_keys="", redis=..., env={}, wait="/readyz")` -> Gateway.
 
     Each gateway gets its own Redis key prefix; its keys are deleted afterwards."""
     started: list[Gateway] = []
@@ -71,7 +71,7 @@ def start_gateway(redis_url, tmp_path) -> Iterator:
             "DETGATE_HEALTH_INTERVAL_S": "0.2", "DETGATE_CONNECT_TIMEOUT_S": "1",
             **(env or {}),
         }
-        proc = Proc(detgate_cmd("gateway"), url, tmp_path / f"gateway-{port}.log", env=proc_env)
+        proc = Proc(detgate_cmd("gateway"), url, log_dir / f"gateway-{port}.log", env=proc_env)
         gw = Gateway(proc, url, prefix, redis or redis_url)
         started.append(gw)
         proc.start(wait, timeout=60)
@@ -91,7 +91,26 @@ def start_gateway(redis_url, tmp_path) -> Iterator:
 
 
 @pytest.fixture
+def start_gateway(redis_url, tmp_path) -> Iterator:
+    """Start real gateway processes (see `_gateway_starter`)."""
+    yield from _gateway_starter(redis_url, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def start_gateway_module(redis_url, tmp_path_factory) -> Iterator:
+    yield from _gateway_starter(redis_url, tmp_path_factory.mktemp("gateway"))
+
+
+@pytest.fixture
 def vllm_worker() -> Iterator[VllmFixtureWorker]:
+    worker = VllmFixtureWorker()
+    worker.start()
+    yield worker
+    worker.stop()
+
+
+@pytest.fixture(scope="module")
+def vllm_worker_module() -> Iterator[VllmFixtureWorker]:
     worker = VllmFixtureWorker()
     worker.start()
     yield worker

@@ -50,7 +50,7 @@ class VllmFixtureWorker:
 
     async def _start(self) -> None:
         app = web.Application()
-        app.router.add_get("/health", lambda r: web.Response(status=200))
+        app.router.add_get("/health", self._health)
         app.router.add_get("/version", self._static("vllm_version.json"))
         app.router.add_get("/v1/models", self._static("vllm_models.json"))
         app.router.add_post("/v1/chat/completions", self._generate("chat"))
@@ -58,6 +58,10 @@ class VllmFixtureWorker:
         self._runner = web.AppRunner(app)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+
+    @staticmethod
+    async def _health(request: web.Request) -> web.Response:
+        return web.Response(status=200)
 
     @staticmethod
     def _static(name: str):
