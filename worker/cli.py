@@ -6,10 +6,19 @@ import argparse
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="'tiny' (the demo model) or a Hugging Face style folder")
+    p.add_argument("--model", default="tiny", help="'tiny' (demo model) or a Hugging Face folder")
     p.add_argument("--mode", choices=["batch_invariant", "default"], default="batch_invariant")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    # Engine limits; unset flags keep EngineConfig's defaults.
+    p.add_argument("--max-num-seqs", type=int, help="sequences in flight at once")
+    p.add_argument("--max-num-batched-tokens", type=int, help="tokens run in one engine step")
+    p.add_argument("--chunk-size", type=int, help="longest prefill chunk of one sequence per step")
+    p.add_argument("--block-size", type=int, help="KV block size in tokens (power of 2, >= 16)")
+    p.add_argument("--num-kv-blocks", type=int, help="KV cache size in blocks")
+    p.add_argument("--kv-cache-mb", type=int, help="KV cache size in MiB")
+    p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
 
 
 def register(sub) -> None:
@@ -19,7 +28,7 @@ def register(sub) -> None:
     p.add_argument("--port", type=int, default=9001)
     p.set_defaults(func=lambda args: __import__("worker.server", fromlist=["main"]).main(args))
 
-    p = sub.add_parser("make-model", help="write a small checkpoint (config, safetensors, tokenizer)")
+    p = sub.add_parser("make-model", help="write a small checkpoint folder")
     p.add_argument("--preset", default="tiny")
     p.add_argument("--out", default=None, help="output folder (default: a folder per preset)")
     p.add_argument("--seed", type=int, default=0)

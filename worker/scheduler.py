@@ -11,7 +11,7 @@ cache). In batch-invariant mode none of this changes any token's numbers.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from worker.block_manager import BlockManager
 from worker.sequence import Sequence, SequenceStatus
@@ -24,15 +24,16 @@ class ScheduledSeq:
     seq: Sequence
     start: int
     num_tokens: int
+    # The chunk reaches the sequence's last token, whose logits give the next token (fixed at
+    # scheduling time: postprocess appends that token).
+    completes_prefill: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.completes_prefill = self.end == len(self.seq)
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
-
-    @property
-    def completes_prefill(self) -> bool:
-        """This chunk reaches the sequence's last token, whose logits give the next token."""
-        return self.end == len(self.seq)
 
     @property
     def samples(self) -> bool:

@@ -1,0 +1,230 @@
+"""The engine: `step()` = schedule -> run -> postprocess, and AsyncEngine, which runs one engine
+loop in a thread for all concurrent requests (continuous batching) and streams each request's
+outputs back to its asyncio task."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from worker.block_manager import BlockManager
+from worker.engine_config import EngineConfig
+from worker.errors import EngineDead, InvalidRequest
+from worker.model_runner import ModelRunner, StepResult
+from worker.scheduler import Batch, Scheduler
+from worker.sequence import SamplingParams, Sequence, TokenLogprob
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_tokens: list[TokenLogprob]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    prompt_logprobs: list[TokenLogprob] | None = None  # once, when the whole prompt is scored
+
+
+@dataclass
+class StepStats:
+    num_seqs: int
+    num_tokens: int
+    num_generated: int
+    num_preempted: int
+    num_waiting: int
+    num_running: int
+    num_free_blocks: int
+    seconds: float
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, model, model_config) -> None:
+        self.config = config
+        self.runner = ModelRunner(config, model, model_config)
+        self.max_model_len = self.runner.max_model_len
+        self.eos_token_ids = tuple(model_config.eos_token_ids)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
+                                          config.enable_prefix_cache)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   prefill_chunk=config.prefill_chunk)
+        self._seqs: dict[str, Sequence] = {}
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequest if the request can never run. Pure: safe from any thread."""
+        if not token_ids:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        if len(token_ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequest(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context length of {self.max_model_len} tokens", param="max_tokens",
+                code="context_length_exceeded")
+        if params.single_pass and len(token_ids) > self.config.max_num_batched_tokens:
+            limit = self.config.max_num_batched_tokens
+            raise InvalidRequest(f"at most {limit} tokens can be scored", param="token_ids")
+        vocab = self.runner.model_config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise InvalidRequest(f"token ids must be in [0, {vocab})", param="prompt")
+
+    def add(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
+        self.validate(token_ids, params)
+        seq = Sequence(request_id, list(token_ids), params, self.eos_token_ids)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, "abort")
+        return self._output(seq, [])
+
+    def abort_all(self) -> None:
+        for request_id in list(self._seqs):
+            self.abort(request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> tuple[list[RequestOutput], StepStats]:
+        start = time.perf_counter()
+        batch = self.scheduler.schedule()
+        result = self.runner.run(batch) if batch.entries else StepResult([], [])
+        for seq, logprobs in result.prompt_logprobs:
+            seq.prompt_logprobs.extend(logprobs)
+        self.scheduler.postprocess(batch, [t.token_id for t in result.sampled])
+        return self._outputs(batch, result), self._stats(batch, result, time.perf_counter() - start)
+
+    def _outputs(self, batch: Batch, result: StepResult) -> list[RequestOutput]:
+        sampled = iter(result.sampled)
+        outputs = []
+        for entry in batch.entries:
+            if not entry.completes_prefill:
+                continue
+            seq = entry.seq
+            outputs.append(self._output(seq, [next(sampled)] if entry.samples else []))
+            if seq.is_finished:
+                del self._seqs[seq.request_id]
+        return outputs
+
+    def _output(self, seq: Sequence, new_tokens: list[TokenLogprob]) -> RequestOutput:
+        # The prompt's logprobs go out with the first token (or alone when nothing is generated).
+        first = seq.num_completion_tokens <= 1 and seq.finish_reason != "abort"
+        with_prompt = seq.params.prompt_logprobs is not None and first
+        return RequestOutput(seq.request_id, new_tokens, seq.is_finished, seq.finish_reason,
+                             seq.num_prompt_tokens, seq.num_cached_tokens,
+                             list(seq.prompt_logprobs) if with_prompt else None)
+
+    def _stats(self, batch: Batch, result: StepResult, seconds: float) -> StepStats:
+        return StepStats(num_seqs=len(batch), num_tokens=batch.num_tokens,
+                         num_generated=len(result.sampled), num_preempted=batch.num_preempted,
+                         num_waiting=len(self.scheduler.waiting),
+                         num_running=len(self.scheduler.running),
+                         num_free_blocks=self.block_manager.num_free_blocks, seconds=seconds)
+
+
+class AsyncEngine:
+    """One engine loop in a thread serving every request; asyncio callers stream its outputs.
+
+    Only the loop thread touches the Engine: requests and aborts reach it through an inbox, and
+    outputs come back to the event loop with call_soon_threadsafe, one call per step.
+    """
+
+    def __init__(self, engine: Engine, on_step: Callable[[StepStats], None] | None = None) -> None:
+        self.engine = engine
+        self.on_step = on_step
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._dead: str | None = None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._inbox.put(("stop",))
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    async def generate(self, request_id: str, token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as they are produced; leaving early aborts the request."""
+        self.engine.validate(token_ids, params)
+        if self._dead is not None:
+            raise EngineDead(self._dead)
+        outputs: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = outputs
+        self._inbox.put(("add", request_id, token_ids, params))
+        finished = False
+        try:
+            while not finished:
+                out = await outputs.get()
+                if isinstance(out, Exception):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            del self._queues[request_id]
+            if not finished:
+                self._inbox.put(("abort", request_id))
+
+    # -- the loop thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            try:
+                if not self._drain_inbox(block=not self.engine.has_work()):
+                    return
+                if not self.engine.has_work():
+                    continue
+                outputs, stats = self.engine.step()
+            except Exception as exc:  # a failed step: fail what is in flight, keep serving
+                log.exception("engine step failed")
+                self.engine.abort_all()
+                self._deliver_error(EngineDead(f"engine step failed: {exc}"))
+                continue
+            self._loop.call_soon_threadsafe(self._deliver, outputs)
+            if self.on_step is not None:
+                self.on_step(stats)
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Apply queued adds and aborts; False once asked to stop."""
+        while True:
+            try:
+                message = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if message[0] == "stop":
+                self._dead = "the engine is shut down"
+                self._deliver_error(EngineDead(self._dead))
+                return False
+            if message[0] == "add":
+                self.engine.add(*message[1:])
+            else:
+                self.engine.abort(message[1])
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            target = self._queues.get(out.request_id)
+            if target is not None:
+                target.put_nowait(out)
+
+    def _deliver_error(self, error: Exception) -> None:
+        def fail_all() -> None:
+            for target in self._queues.values():
+                target.put_nowait(error)
+        self._loop.call_soon_threadsafe(fail_all)

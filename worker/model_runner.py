@@ -1,0 +1,210 @@
+"""Runs one scheduled batch through the model: inputs, KV cache, logits, sampling, logprobs.
+
+A batch mixes prefill chunks and decodes; their tokens are concatenated (sequence by sequence,
+in batch order) into one forward pass. Logits are computed only for the rows that need them:
+each sampling sequence's last position, plus every position of a chunk whose prompt logprobs
+were asked for. Step inputs go through preallocated buffers (pinned host staging on CUDA), and
+the step's results come back to the host in one synchronisation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from worker.attention_metadata import AttentionMetadata
+from worker.engine_config import CUDA_KV_MEMORY_FRACTION, DEFAULT_CPU_KV_MB, EngineConfig
+from worker.ops import make_ops
+from worker.sampler import Sampler
+from worker.scheduler import Batch
+from worker.sequence import Sequence, TokenLogprob
+
+
+@dataclass
+class StepResult:
+    sampled: list[TokenLogprob]  # one per sampling entry, in batch order
+    prompt_logprobs: list[tuple[Sequence, list[TokenLogprob]]]  # new prompt logprobs per sequence
+
+
+class InputBuffers:
+    """Step inputs, preallocated at their largest size and sliced per step."""
+
+    def __init__(self, device: torch.device, max_tokens: int, max_seqs: int, max_blocks: int):
+        self.device = device
+        sizes = {"input_ids": max_tokens, "positions": max_tokens, "slot_mapping": max_tokens,
+                 "logits_indices": max_tokens, "targets": max_tokens, "sample_rows": max_seqs,
+                 "query_start_loc": max_seqs + 1, "seq_lens": max_seqs,
+                 "block_tables": max_seqs * max_blocks}
+        pin = device.type == "cuda"
+        self.host: dict[str, torch.Tensor] = {}
+        self.dev: dict[str, torch.Tensor] = {}
+        int32 = ("query_start_loc", "seq_lens", "block_tables")
+        for name, size in sizes.items():
+            dtype = torch.int32 if name in int32 else torch.int64
+            host = self.host[name] = torch.zeros(size, dtype=dtype, pin_memory=pin)
+            self.dev[name] = torch.zeros(size, dtype=dtype, device=device) if pin else host
+
+    def put(self, name: str, values: np.ndarray) -> torch.Tensor:
+        n = values.size
+        host = self.host[name][:n]
+        host.numpy()[:] = values.reshape(-1)
+        dev = self.dev[name][:n]
+        if dev is not host:
+            dev.copy_(host, non_blocking=True)
+        return dev.view(values.shape)
+
+
+@dataclass
+class _Rows:
+    """Which hidden rows get logits, and what each row is for."""
+
+    logits_indices: list[int]  # token index in the batch, per logits row
+    targets: list[int]  # the prompt token a prompt row scores (0 for sampling rows)
+    sample_rows: list[int]  # logits row of each sampling entry
+    prompt_rows: list[tuple[Sequence, int, int]]  # (seq, first logits row, count)
+    num_top: int  # top alternatives to compute; -1 = no logprobs at all
+    with_rank: bool
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, model_config) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.device = torch.device(config.device)
+        self.block_size = config.block_size
+        self.num_kv_blocks = self._num_kv_blocks(config)
+        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                                 model_config.max_position_embeddings,
+                                 self.num_kv_blocks * self.block_size)
+        self.kv_caches = self._allocate_kv_cache()
+        self.inputs = InputBuffers(self.device, config.max_num_batched_tokens, config.max_num_seqs,
+                                   -(-self.max_model_len // self.block_size))
+        self.sampler = Sampler(make_ops(config.mode).log_softmax, self.device)
+
+    @torch.inference_mode()
+    def run(self, batch: Batch) -> StepResult:
+        input_ids, positions, meta = self._prepare_inputs(batch)
+        rows = self._plan_rows(batch)
+        hidden = self.model(input_ids, positions, meta, self.kv_caches)  # [T, H]
+        if not rows.logits_indices:  # only prefill chunks that neither sample nor score
+            return StepResult([], [])
+        logits_indices = self.inputs.put("logits_indices", np.array(rows.logits_indices, np.int64))
+        logits = self.model.compute_logits(hidden[logits_indices])  # [R, V] fp32
+        sample_seqs = [e.seq for e in batch.entries if e.samples]
+        sample_rows = self.inputs.put("sample_rows", np.array(rows.sample_rows, np.int64))
+        sampled = self.sampler.sample(logits[sample_rows], sample_seqs)  # [S] int64
+        if rows.num_top < 0:
+            (token_ids,) = _to_host(sampled)
+            return StepResult([TokenLogprob(t) for t in token_ids.tolist()], [])
+        chosen = self.inputs.put("targets", np.array(rows.targets, np.int64)).clone()
+        chosen[sample_rows] = sampled
+        lp = self.sampler.logprobs(logits, chosen, rows.num_top, rows.with_rank)
+        host = _to_host(sampled, lp.chosen, lp.top_values, lp.top_ids,
+                        *([lp.rank] if lp.rank is not None else []))
+        return self._unpack(sample_seqs, rows, [h.tolist() for h in host])
+
+    # -- inputs ----------------------------------------------------------------------------
+
+    def _prepare_inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        ids, pos, slots, qsl, seq_lens = [], [], [], [0], []
+        max_blocks = max(len(e.seq.block_table) for e in batch.entries)
+        tables = np.full((len(batch), max_blocks), -1, dtype=np.int32)
+        for i, e in enumerate(batch.entries):
+            table = np.asarray(e.seq.block_table, dtype=np.int64)
+            p = np.arange(e.start, e.end)
+            ids.append(np.asarray(e.seq.token_ids[e.start:e.end], dtype=np.int64))
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            qsl.append(qsl[-1] + e.num_tokens)
+            seq_lens.append(e.end)
+            tables[i, :len(table)] = table
+        put = self.inputs.put
+        meta = AttentionMetadata(
+            query_start_loc=put("query_start_loc", np.array(qsl, np.int32)),
+            seq_lens=put("seq_lens", np.array(seq_lens, np.int32)),
+            block_tables=put("block_tables", tables),
+            slot_mapping=put("slot_mapping", np.concatenate(slots)),
+            max_query_len=max(e.num_tokens for e in batch.entries),
+            max_seq_len=max(seq_lens),
+        )
+        return put("input_ids", np.concatenate(ids)), put("positions", np.concatenate(pos)), meta
+
+    def _plan_rows(self, batch: Batch) -> _Rows:
+        rows = _Rows([], [], [], [], num_top=-1, with_rank=False)
+        offset = 0  # token index of the entry's first token in the batch
+        for e in batch.entries:
+            seq, params = e.seq, e.seq.params
+            if params.prompt_logprobs is not None:
+                # Position p scores prompt token p + 1; skip positions scored before a preemption.
+                first = max(e.start, len(seq.prompt_logprobs))
+                last = min(e.end, seq.num_prompt_tokens - 1)
+                if first < last:
+                    rows.prompt_rows.append((seq, len(rows.logits_indices), last - first))
+                    base = offset - e.start
+                    rows.logits_indices.extend(range(base + first, base + last))
+                    rows.targets.extend(seq.token_ids[first + 1:last + 1])
+                    rows.num_top = max(rows.num_top, params.prompt_logprobs)
+                    rows.with_rank = True
+            if e.samples:
+                rows.sample_rows.append(len(rows.logits_indices))
+                rows.logits_indices.append(offset + e.num_tokens - 1)
+                rows.targets.append(0)
+                if params.logprobs is not None:
+                    rows.num_top = max(rows.num_top, params.logprobs)
+            offset += e.num_tokens
+        return rows
+
+    def _unpack(self, sample_seqs: list[Sequence], rows: _Rows, host: list[list]) -> StepResult:
+        token_ids, chosen, top_values, top_ids = host[:4]
+        rank = host[4] if rows.with_rank else None
+
+        def entry(r: int, token_id: int, k: int, with_rank: bool) -> TokenLogprob:
+            top = list(zip(top_ids[r][:k], top_values[r][:k], strict=True))
+            return TokenLogprob(token_id, chosen[r], top, rank[r] if with_rank else None)
+
+        sampled = []
+        for seq, r, token_id in zip(sample_seqs, rows.sample_rows, token_ids, strict=True):
+            k = seq.params.logprobs
+            sampled.append(TokenLogprob(token_id) if k is None else entry(r, token_id, k, False))
+        prompt = [(seq, [entry(r, rows.targets[r], seq.params.prompt_logprobs, True)
+                         for r in range(first, first + n)])
+                  for seq, first, n in rows.prompt_rows]
+        return StepResult(sampled, prompt)
+
+    # -- KV cache --------------------------------------------------------------------------
+
+    def _block_bytes(self) -> int:
+        mc = self.model_config
+        itemsize = torch.empty((), dtype=mc.dtype).element_size()
+        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * itemsize
+
+    def _num_kv_blocks(self, config: EngineConfig) -> int:
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        if config.kv_cache_mb is not None:
+            return max(1, config.kv_cache_mb * 2**20 // self._block_bytes())
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * CUDA_KV_MEMORY_FRACTION) // self._block_bytes()
+        max_len = config.max_model_len or self.model_config.max_position_embeddings
+        wanted = config.max_num_seqs * -(-max_len // self.block_size)
+        return max(1, min(wanted, DEFAULT_CPU_KV_MB * 2**20 // self._block_bytes()))
+
+    def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        mc = self.model_config
+        # One allocation; layer l's (k_cache, v_cache) are views [num_blocks, block_size, Hkv, D].
+        cache = torch.zeros(mc.num_layers, 2, self.num_kv_blocks, self.block_size, mc.num_kv_heads,
+                            mc.head_dim, dtype=mc.dtype, device=self.device)
+        return [(cache[i, 0], cache[i, 1]) for i in range(mc.num_layers)]
+
+
+def _to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Copy a step's results to the host with a single synchronisation."""
+    if tensors[0].device.type == "cpu":
+        return list(tensors)
+    out = [t.to("cpu", non_blocking=True) for t in tensors]
+    torch.cuda.current_stream(tensors[0].device).synchronize()
+    return out
