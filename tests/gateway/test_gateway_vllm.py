@@ -1,0 +1,163 @@
+"""vLLM as a worker: its documented response shapes (fixtures/), through a real gateway.
+
+vLLM sends no system_fingerprint, so the gateway derives one from /v1/models, /version and
+the operator's labels; token ids come from `return_token_ids`; errors carry an integer code.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import openai
+import orjson
+import pytest
+
+from gateway.router import derived_fingerprint
+from tests.gateway.vllm_worker import fixture, sse_payloads
+
+MODEL = "Qwen/Qwen3-8B"
+LABELS = "VLLM_BATCH_INVARIANT=1,attention=FLASH_ATTN,gpu=H200"
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def bits(xs):
+    return [struct.pack("<d", x) for x in xs]
+
+
+def expected_fingerprint(labels: str = LABELS) -> str:
+    cards = orjson.loads(fixture("vllm_models.json"))["data"]
+    return derived_fingerprint(cards, "0.11.0", labels)
+
+
+@pytest.fixture(scope="module")
+def setup(request):
+    worker = request.getfixturevalue("vllm_worker_module")
+    start = request.getfixturevalue("start_gateway_module")
+    labels = orjson.dumps({"*": LABELS}).decode()
+    gw = start([worker.url], env={"DETGATE_WORKER_LABELS": labels})
+    return gw, worker
+
+
+def record(gw, rid):
+    with gw.http() as http:
+        r = http.get(f"/v1/requests/{rid}")
+    assert r.status_code == 200
+    return r.json()
+
+
+def test_derived_fingerprint_depends_on_what_changes_numbers():
+    fp = expected_fingerprint()
+    assert fp.startswith("fp_") and fp == expected_fingerprint()
+    assert fp != expected_fingerprint("VLLM_BATCH_INVARIANT=0")
+    cards = orjson.loads(fixture("vllm_models.json"))["data"]
+    assert fp != derived_fingerprint(cards, "0.11.1", LABELS)
+    longer = [{**cards[0], "max_model_len": 8192}]
+    assert fp != derived_fingerprint(longer, "0.11.0", LABELS)
+
+
+def test_chat_plain(setup):
+    gw, worker = setup
+    answer = gw.client().chat.completions.create(model=MODEL, messages=MSG)
+    assert answer.system_fingerprint == expected_fingerprint()
+    assert answer.choices[0].logprobs is None  # not asked for
+    assert answer.choices[0].message.content == "Hello! How can I help?"
+    dumped = answer.model_dump()
+    assert "token_ids" not in dumped["choices"][0] and "prompt_token_ids" not in dumped
+    sent = worker.received[-1][1]
+    assert sent["logprobs"] is True and sent["top_logprobs"] == 0
+    assert sent["return_token_ids"] is True and isinstance(sent["seed"], int)
+
+    rec = record(gw, answer.id)
+    src = orjson.loads(fixture("vllm_chat.json"))
+    want_lp = [e["logprob"] for e in src["choices"][0]["logprobs"]["content"]]
+    assert rec["choices"][0]["token_ids"] == src["choices"][0]["token_ids"]
+    assert bits(rec["choices"][0]["logprobs"]) == bits(want_lp)
+    assert rec["prompt_token_ids"] == src["prompt_token_ids"]
+    assert rec["system_fingerprint"] == expected_fingerprint()
+    assert rec["request"] == sent and rec["status"] == "complete"
+    assert rec["usage"]["completion_tokens"] == 7
+
+
+def test_completion_with_logprobs_token_ids_and_prompt_logprobs(setup):
+    gw, _ = setup
+    with gw.http() as http:
+        r = http.post("/v1/completions", json={
+            "model": MODEL, "prompt": "The capital of France is", "logprobs": 1,
+            "return_token_ids": True, "prompt_logprobs": 1, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    src = orjson.loads(fixture("vllm_completion_prompt_logprobs.json"))["choices"][0]
+    assert body["id"] == r.headers["x-detgate-record-id"]
+    assert body["choices"][0]["token_ids"] == src["token_ids"]
+    assert body["choices"][0]["prompt_logprobs"] == src["prompt_logprobs"]
+    rec = record(gw, body["id"])
+    assert rec["prompt_logprobs"] == src["prompt_logprobs"]
+    assert "seed" not in rec["request"]  # greedy: nothing to seed
+    assert bits(rec["choices"][0]["logprobs"]) == bits(src["logprobs"]["token_logprobs"])
+
+
+def test_completion_logprobs_zero_gives_no_alternatives(setup):
+    gw, worker = setup
+    answer = gw.client().completions.create(model=MODEL, prompt="x", logprobs=0)
+    assert worker.received[-1][1]["logprobs"] == 1
+    assert answer.choices[0].logprobs.token_logprobs[0] == -0.0478133261203766
+    assert all(d == {} for d in answer.choices[0].logprobs.top_logprobs)
+
+
+def test_chat_stream(setup):
+    gw, _ = setup
+    stream = gw.client().chat.completions.create(model=MODEL, messages=MSG, stream=True)
+    chunks = list(stream)
+    rid = chunks[0].id
+    assert all(c.id == rid for c in chunks)
+    assert all(c.system_fingerprint == expected_fingerprint() for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello! How"
+    assert all(c.usage is None for c in chunks)  # usage not asked for: dropped
+    assert all(c.choices[0].logprobs is None for c in chunks if c.choices)
+    rec = record(gw, rid)
+    src = sse_payloads(fixture("vllm_chat_stream.txt"))
+    assert rec["status"] == "complete"
+    assert rec["choices"][0]["token_ids"] == [9707, 0, 2585]
+    want = [e["logprob"] for c in src[1:4] for e in c["choices"][0]["logprobs"]["content"]]
+    assert bits(rec["choices"][0]["logprobs"]) == bits(want)
+    assert rec["usage"] == src[-1]["usage"]
+    assert rec["prompt_token_ids"] == src[0]["prompt_token_ids"]
+    assert rec["choices"][0]["finish_reason"] == "length"
+
+
+def test_completion_stream_with_usage_and_logprobs(setup):
+    gw, worker = setup
+    stream = gw.client().completions.create(model=MODEL, prompt="x", stream=True, logprobs=1,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert worker.received[-1][1]["stream_options"] == {"include_usage": True}
+    assert chunks[-1].usage.completion_tokens == 2
+    lps = [lp for c in chunks if c.choices for lp in c.choices[0].logprobs.token_logprobs]
+    assert lps == [-0.0478133261203766, -0.5810661911964417]
+    rec = record(gw, chunks[0].id)
+    assert rec["choices"][0]["token_ids"] == [12095, 13]
+    assert rec["choices"][0]["text"] == " Paris."
+
+
+@pytest.mark.parametrize("variant", ["current", "legacy"])
+def test_vllm_error_with_integer_code(setup, variant):
+    gw, _ = setup
+    prompt = "trigger-error legacy" if variant == "legacy" else "trigger-error"
+    with pytest.raises(openai.BadRequestError) as info:
+        gw.client().completions.create(model=MODEL, prompt=prompt)
+    err = info.value.response.json()["error"]
+    name = "vllm_error_legacy.json" if variant == "legacy" else "vllm_error.json"
+    src = orjson.loads(fixture(name))
+    assert err["message"] == (src.get("error") or src)["message"]
+    assert err["code"] is None or isinstance(err["code"], str)
+    with gw.http() as http:
+        latest = http.get("/v1/requests?limit=1").json()["data"][0]
+    assert latest["status"] == "failed" and latest["choices"] == []
+
+
+def test_replay_against_derived_fingerprint(setup):
+    gw, _ = setup
+    answer = gw.client().chat.completions.create(model=MODEL, messages=MSG, temperature=0)
+    with gw.http() as http:
+        cmp = http.post(f"/replay/{answer.id}", json={"load": 3}).json()
+    assert cmp["match"] is True and cmp["replay_fingerprint"] == expected_fingerprint()
