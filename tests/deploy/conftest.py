@@ -29,7 +29,10 @@ PROFILES = ("gpu", "vllm")
 def compose_command() -> list[str]:
     """`docker compose` where the CLI has the plugin, else the plugin binary run standalone."""
     docker = shutil.which("docker")
-    if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
+    if (
+        docker
+        and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0
+    ):
         return [docker, "compose"]
     standalone = shutil.which("docker-compose")
     for candidate in (COMPOSE_PLUGIN, Path(standalone) if standalone else None):
@@ -40,10 +43,20 @@ def compose_command() -> list[str]:
     pytest.fail("Docker Compose v2 is not installed: run .ci/system-deps")
 
 
-def run_compose_config(compose_file: Path, env_file: Path, profiles: tuple[str, ...] = PROFILES,
-                       ) -> subprocess.CompletedProcess:
-    args = [*compose_command(), "--project-directory", str(compose_file.parent), "-f", str(compose_file),
-            "--env-file", str(env_file)]
+def run_compose_config(
+    compose_file: Path,
+    env_file: Path,
+    profiles: tuple[str, ...] = PROFILES,
+) -> subprocess.CompletedProcess:
+    args = [
+        *compose_command(),
+        "--project-directory",
+        str(compose_file.parent),
+        "-f",
+        str(compose_file),
+        "--env-file",
+        str(env_file),
+    ]
     for profile in profiles:
         args += ["--profile", profile]
     return subprocess.run([*args, "config", "--format", "json"], capture_output=True, text=True)
@@ -80,5 +93,9 @@ def dashboard() -> dict:
 
 def dashboard_targets(dashboard: dict) -> list[tuple[str, dict]]:
     """(panel title, target) for every query of every panel, rows excluded."""
-    return [(panel["title"], target) for panel in dashboard["panels"] if panel["type"] != "row"
-            for target in panel["targets"]]
+    return [
+        (panel["title"], target)
+        for panel in dashboard["panels"]
+        if panel["type"] != "row"
+        for target in panel["targets"]
+    ]

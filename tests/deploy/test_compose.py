@@ -40,7 +40,9 @@ URL_PORT = re.compile(r"https?://(?:127\.0\.0\.1|localhost):(\d+)/")
 
 def listening_ports(service: dict) -> set[int]:
     """Container ports a service declares: `expose` and the targets of `ports`."""
-    return {int(p) for p in service.get("expose", [])} | {int(p["target"]) for p in service.get("ports", [])}
+    return {int(p) for p in service.get("expose", [])} | {
+        int(p["target"]) for p in service.get("ports", [])
+    }
 
 
 def command_flag(service: dict, flag: str) -> str | None:
@@ -67,12 +69,22 @@ def test_default_stack_is_redis_gateway_two_cpu_workers_prometheus_grafana():
     assert profiled == {"worker-gpu", "vllm"}
 
 
-@pytest.mark.parametrize("mutation, message", [
-    (lambda doc: doc["services"]["gateway"].update(bogus_key=1), "additional properties 'bogus_key'"),
-    (lambda doc: doc["services"]["grafana"]["depends_on"].update(nowhere={"condition": "service_healthy"}),
-     "nowhere"),
-    (lambda doc: doc["services"]["redis"]["healthcheck"].update(retries="three"), "retries"),
-])
+@pytest.mark.parametrize(
+    "mutation, message",
+    [
+        (
+            lambda doc: doc["services"]["gateway"].update(bogus_key=1),
+            "additional properties 'bogus_key'",
+        ),
+        (
+            lambda doc: doc["services"]["grafana"]["depends_on"].update(
+                nowhere={"condition": "service_healthy"}
+            ),
+            "nowhere",
+        ),
+        (lambda doc: doc["services"]["redis"]["healthcheck"].update(retries="three"), "retries"),
+    ],
+)
 def test_validator_rejects_broken_files(tmp_path, mutation, message):
     """Negative control: the validator used above does refuse what Docker would refuse."""
     doc = yaml.safe_load(COMPOSE_FILE.read_text())
@@ -101,7 +113,9 @@ def test_every_service_has_an_image_a_healthcheck_and_a_restart_policy(compose):
             assert dockerfile.is_file(), (name, dockerfile)
         else:
             tag = service["image"].rpartition(":")[2]
-            assert ":" in service["image"] and tag not in ("", "latest"), f"{name}: pin the image tag"
+            assert ":" in service["image"] and tag not in ("", "latest"), (
+                f"{name}: pin the image tag"
+            )
         check = service.get("healthcheck")
         assert check and not check.get("disable") and check["test"][0] in ("CMD", "CMD-SHELL"), name
         assert service.get("restart") in ("unless-stopped", "always"), name
@@ -133,17 +147,23 @@ def test_dependencies_exist_and_wait_for_health(compose):
             assert dep in services, (name, dep)
             assert spec["condition"] == "service_healthy", (name, dep)
             assert "healthcheck" in services[dep]
-            assert not set(services[dep].get("profiles", [])) - set(service.get("profiles", [])), \
+            assert not set(services[dep].get("profiles", [])) - set(service.get("profiles", [])), (
                 f"{name} (always on) cannot require {dep}, which only a profile starts"
+            )
     assert set(services["gateway"]["depends_on"]) == {"redis", "worker-1", "worker-2"}
 
 
 def test_published_ports_are_distinct_and_observability_stays_on_loopback(compose):
-    published = [(p.get("host_ip", ""), p["published"]) for s in compose["services"].values()
-                 for p in s.get("ports", [])]
+    published = [
+        (p.get("host_ip", ""), p["published"])
+        for s in compose["services"].values()
+        for p in s.get("ports", [])
+    ]
     assert len({port for _, port in published}) == len(published)
     for name in ("prometheus", "grafana"):
-        assert all(p.get("host_ip") == "127.0.0.1" for p in compose["services"][name]["ports"]), name
+        assert all(p.get("host_ip") == "127.0.0.1" for p in compose["services"][name]["ports"]), (
+            name
+        )
     for name in ("redis", "worker-1", "worker-2", "worker-gpu", "vllm"):
         assert not compose["services"][name].get("ports"), f"{name} is internal"
 
@@ -156,7 +176,9 @@ def test_the_gateway_points_at_worker_services_and_redis(compose):
         parsed = urlparse(url)
         assert parsed.hostname in services, url
         assert parsed.port in listening_ports(services[parsed.hostname]), url
-    assert "redis://:${REDIS_PASSWORD}@redis:6379/0" in " ".join(services["gateway"]["command"]).replace("$$", "$")
+    assert "redis://:${REDIS_PASSWORD}@redis:6379/0" in " ".join(
+        services["gateway"]["command"]
+    ).replace("$$", "$")
     assert 6379 in listening_ports(services["redis"])
     # Operator labels name worker services too (the vLLM one by default).
     labels = yaml.safe_load(services["gateway"]["environment"]["DETGATE_WORKER_LABELS"])
@@ -179,10 +201,18 @@ def test_prometheus_scrapes_services_that_exist(compose, prometheus_config):
             for host in sd["names"]:
                 assert host in services, (job["job_name"], host)
                 assert sd["port"] in listening_ports(services[host]), (job["job_name"], host)
-    scraped = {name for job in prometheus_config["scrape_configs"]
-               for sd in job.get("dns_sd_configs", []) for name in sd["names"]}
-    scraped |= {t.rpartition(":")[0] for job in prometheus_config["scrape_configs"]
-                for s in job.get("static_configs", []) for t in s["targets"]}
+    scraped = {
+        name
+        for job in prometheus_config["scrape_configs"]
+        for sd in job.get("dns_sd_configs", [])
+        for name in sd["names"]
+    }
+    scraped |= {
+        t.rpartition(":")[0]
+        for job in prometheus_config["scrape_configs"]
+        for s in job.get("static_configs", [])
+        for t in s["targets"]
+    }
     assert {"gateway", "worker-1", "worker-2", "worker-gpu", "vllm"} <= scraped
 
 
@@ -218,9 +248,13 @@ def test_images_hold_no_secrets_and_build_contexts_exclude_env_files(compose):
         for line in dockerfile.read_text().splitlines():
             if re.match(r"\s*(ENV|ARG)\b", line):
                 assert not secret_words.search(line), (name, line)
-        ignore = [line.strip() for line in
-                  dockerfile.with_name(dockerfile.name + ".dockerignore").read_text().splitlines()
-                  if line.strip() and not line.startswith("#")]
+        ignore = [
+            line.strip()
+            for line in dockerfile.with_name(dockerfile.name + ".dockerignore")
+            .read_text()
+            .splitlines()
+            if line.strip() and not line.startswith("#")
+        ]
         assert ignore[0] == "*", name  # deny by default, then allow the package sources only
         assert not any(line.lstrip("!").startswith(("deploy", ".env")) for line in ignore), name
 
@@ -270,8 +304,11 @@ def test_vllm_profile_runs_vllm_batch_invariant(compose):
 def test_redis_keeps_an_append_only_file_on_a_volume(compose):
     redis = compose["services"]["redis"]
     conf_mount = next(v for v in redis["volumes"] if v["type"] == "bind")
-    conf = dict(line.split(None, 1) for line in Path(conf_mount["source"]).read_text().splitlines()
-                if line.strip() and not line.startswith("#"))
+    conf = dict(
+        line.split(None, 1)
+        for line in Path(conf_mount["source"]).read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    )
     assert conf["appendonly"] == "yes" and conf["appendfsync"] == "everysec"
     assert conf["maxmemory-policy"] == "noeviction"
     assert conf_mount["target"] in " ".join(redis["command"])
