@@ -23,6 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+_SUM_COLUMNS = 8
 aten = torch.ops.aten
 
 
@@ -79,10 +80,11 @@ def _mean_dim(x: torch.Tensor, dim=None, keepdim: bool = False, dtype=None
     for d in dims:
         length *= x.shape[d]
     rows = x.permute(*kept, *dims).reshape(-1, length).to(torch.float32)
-    # The sum of each row is a fp32 matmul with a ones column: one fixed K order per row,
-    # whatever the number of rows.
-    ones = torch.ones((length, 1), dtype=torch.float32, device=x.device)
-    total = _kernels().matmul(rows, ones) if length else rows.new_zeros((rows.shape[0], 1))
+    # The sum of each row is a fp32 matmul with ones: one fixed K order per row, whatever the
+    # number of rows. Eight columns, not one: a single column takes GEMV paths on CPU (not
+    # invariant) and gives 4-byte output rows that TMA cannot address on GPU.
+    ones = torch.ones((length, _SUM_COLUMNS), dtype=torch.float32, device=x.device)
+    total = _kernels().matmul(rows, ones)[:, 0] if length else rows.new_zeros(rows.shape[0])
     mean = (total / length).to(out_dtype)
     shape = [1 if d in dims else x.shape[d] for d in range(x.dim())] if keepdim \
         else [x.shape[d] for d in kept]
@@ -108,7 +110,13 @@ class BatchInvariantMode(TorchDispatchMode):
             out = override(*args, **kwargs)
             if out is not None:
                 return out
-        return func(*args, **kwargs)
+            return func(*args, **kwargs)
+        # Under inference_mode, composite ops (linear, matmul, log_softmax.int, einsum...)
+        # arrive whole: decompose them, as autograd would, so their mm/addmm/_log_softmax
+        # come back through this mode.
+        with self:
+            out = func.decompose(*args, **kwargs)
+        return func(*args, **kwargs) if out is NotImplemented else out
 
 
 @contextlib.contextmanager
