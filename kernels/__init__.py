@@ -1,1 +1,76 @@
-"""Batch-invariant kernels: one reduction order per output element, whatever the batch."""
+"""Batch-invariant kernels: one reduction order per output element, whatever the batch.
+
+Each op dispatches on the device of its first tensor: CPU tensors go to `kernels.cpu`, CUDA
+tensors to the Triton kernels (imported on first use, so this package imports without triton).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["add_rms_norm", "log_softmax", "matmul", "rms_norm", "set_batch_invariant_mode"]
+
+# op name -> module holding its CUDA (Triton) implementation, under the same name.
+_CUDA_MODULES = {
+    "matmul": "kernels.matmul",
+    "rms_norm": "kernels.rmsnorm",
+    "add_rms_norm": "kernels.rmsnorm",
+    "log_softmax": "kernels.log_softmax",
+}
+
+
+class _Package(types.ModuleType):
+    """Keeps the public names bound to the functions below.
+
+    Importing the submodule `kernels.matmul` (or `kernels.log_softmax`) makes Python bind the
+    package attribute of that name to the submodule, which would shadow the function. The
+    Triton modules are reached with `importlib.import_module("kernels.matmul")` instead.
+    """
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in __all__ and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+def _impl(name: str, x: torch.Tensor):
+    if x.device.type == "cpu":
+        return getattr(import_module("kernels.cpu"), name)
+    if x.device.type == "cuda":
+        return getattr(import_module(_CUDA_MODULES[name]), name)
+    raise NotImplementedError(f"{name}: no batch-invariant kernel for device {x.device}")
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """a [M, K] @ b [K, N] (+ bias [N]); row i's bits do not depend on M."""
+    return _impl("matmul", a)(a, b, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, one fixed reduction order per row."""
+    return _impl("rms_norm", x)(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual)."""
+    return _impl("add_rms_norm", x)(x, residual, weight, eps)
+
+
+def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """log_softmax computed in fp32, one fixed reduction order per row."""
+    return _impl("log_softmax", x)(x, dim)
+
+
+def set_batch_invariant_mode(enabled: bool = True):
+    """Context manager routing aten matmuls, _log_softmax and mean.dim through these kernels."""
+    return import_module("kernels.mode").set_batch_invariant_mode(enabled)
