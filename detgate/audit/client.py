@@ -29,9 +29,10 @@ BACKOFF_CAP_S = 8.0
 class AuditRequestError(Exception):
     """A request that failed for good: not retryable, out of retries, or out of time."""
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(self, message: str, status: int | None = None, body: str = "") -> None:
         super().__init__(message)
         self.status = status
+        self.body = body
 
 
 @dataclass
@@ -110,7 +111,7 @@ class EndpointClient:
             try:
                 data, attempts = await self._post_json(self.endpoint, self._body(spec, level))
             except AuditRequestError as exc:
-                if exc.status in REJECTED_STATUSES and level < len(OPTIONAL_FIELDS):
+                if rejects_field(exc, OPTIONAL_FIELDS[level:]):
                     self._drop(level)
                     continue
                 raise
@@ -176,7 +177,8 @@ class EndpointClient:
                 if response.status_code == 200:
                     return response.json(), attempt
                 if response.status_code not in RETRY_STATUSES or attempt > self.retries:
-                    raise AuditRequestError(_error_message(response), response.status_code)
+                    raise AuditRequestError(_error_message(response), response.status_code,
+                                            response.text)
                 delay = retry_after_s(response)
             if delay is None:
                 backoff = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (attempt - 1))
@@ -185,6 +187,15 @@ class EndpointClient:
                 raise AuditRequestError("no time left to retry within the audit's time bound")
             self.stats.retries += 1
             await asyncio.sleep(delay)
+
+
+def rejects_field(exc: AuditRequestError, fields: tuple[str, ...]) -> bool:
+    """A 400/422 naming the first still-sent optional field: the endpoint does not take it.
+
+    The name must appear in the answer, so that an unknown model or a bad prompt is not
+    mistaken for a missing extension.
+    """
+    return bool(fields) and exc.status in REJECTED_STATUSES and fields[0] in exc.body
 
 
 def _error_message(response: httpx.Response) -> str:

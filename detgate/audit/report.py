@@ -66,7 +66,8 @@ def _score_json(result: AuditResult) -> dict | None:
         return None
     return {"outcome": result.score_outcome, "scored": len(sc.scored), "skipped": sc.skipped,
             "exact": sc.exact, "max_abs_logprob_diff": sc.max_abs_logprob_diff,
-            "kl_estimate": sc.kl_estimate, "errors": sc.errors[:20]}
+            "kl_estimate": sc.kl_estimate, "unsupported": sc.unsupported,
+            "errors": sc.errors[:20]}
 
 
 def _batch_json(result: AuditResult) -> dict | None:
@@ -101,7 +102,10 @@ def summary_rows(result: AuditResult) -> list[tuple[str, str]]:
         ("logprob MSE (mean)", fmt(a.logprob_mse_mean)),
         ("max |delta logprob|", fmt(a.max_abs_logprob_diff)),
     ]
-    if result.score is not None:
+    if result.score is not None and result.score.unsupported:
+        rows.append(("teacher-forced samples", f"endpoint offers no /score route "
+                                               f"({result.score.unsupported})"))
+    elif result.score is not None:
         sc = result.score
         rows += [
             ("teacher-forced samples", f"{len(sc.scored)} scored, {sc.skipped} skipped, "
@@ -110,7 +114,9 @@ def summary_rows(result: AuditResult) -> list[tuple[str, str]]:
             ("max |sampler - trainer|", fmt(sc.max_abs_logprob_diff)),
             ("sampler-trainer KL estimate", fmt(sc.kl_estimate)),
         ]
-    if result.batch_sizes is not None:
+    if result.batch_sizes is None:
+        rows.append(("batch sizes seen", "not exposed (no batch-size histogram at /metrics)"))
+    else:
         b = result.batch_sizes
         rows.append(("batch sizes seen", f"{b.steps:g} steps, mean {fmt(b.mean)}: " + ", ".join(
             f"{_bucket(lo, hi)}: {n:g}" for lo, hi, n in b.buckets)))

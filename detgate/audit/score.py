@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from detgate.audit.client import AuditRequestError, EndpointClient
 from detgate.audit.sample import Sample
 
+# Answers meaning "this endpoint has no score route".
+NO_ROUTE_STATUSES = frozenset({404, 405})
+
 
 @dataclass(frozen=True)
 class SampleScore:
@@ -31,6 +34,8 @@ class ScoreReport:
     # Samples without token ids, prompt token ids or logprobs cannot be teacher-forced.
     skipped: int = 0
     errors: list[str] = field(default_factory=list)
+    # Set when the endpoint has no score route: the remaining samples are not sent.
+    unsupported: str | None = None
 
     @property
     def max_abs_logprob_diff(self) -> float | None:
@@ -73,11 +78,18 @@ async def score_samples(client: EndpointClient, samples: Sequence[Sample], concu
     async def one(sample: Sample) -> None:
         start = len(sample.prompt_token_ids)
         async with slots:
-            try:
-                teacher = await client.score([*sample.prompt_token_ids, *sample.token_ids], start)
-                report.scored.append(compare_to_teacher(sample.index, sample.logprobs, teacher))
-            except (AuditRequestError, ValueError, KeyError, TypeError) as exc:
-                report.errors.append(f"sample {sample.index}: {exc}")
+            if report.unsupported is None:
+                try:
+                    ids = [*sample.prompt_token_ids, *sample.token_ids]
+                    teacher = await client.score(ids, start)
+                    report.scored.append(compare_to_teacher(sample.index, sample.logprobs, teacher))
+                except AuditRequestError as exc:
+                    if exc.status in NO_ROUTE_STATUSES:
+                        report.unsupported = str(exc)
+                    else:
+                        report.errors.append(f"sample {sample.index}: {exc}")
+                except (ValueError, KeyError, TypeError) as exc:
+                    report.errors.append(f"sample {sample.index}: unreadable answer: {exc!r}")
         on_done()
 
     todo = [s for s in samples if scorable(s)]
