@@ -4,6 +4,7 @@ vLLM-shaped fixture worker (`vllm_worker`) that also records what reached it."""
 from __future__ import annotations
 
 import secrets
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,3 +116,31 @@ def vllm_worker_module() -> Iterator[VllmFixtureWorker]:
     worker.start()
     yield worker
     worker.stop()
+
+
+def start_workers(model_dir: Path, log_dir: Path, modes: list[str]) -> list[Proc]:
+    """Built-in worker processes, started together (each takes seconds to load torch)."""
+    procs = []
+    for mode in modes:
+        port = free_port()
+        procs.append(Proc(detgate_cmd("worker", "--model", str(model_dir), "--mode", mode,
+                                      "--port", str(port)),
+                          f"http://127.0.0.1:{port}", log_dir / f"worker-{port}.log"))
+    errors: list[BaseException] = []
+
+    def run(proc: Proc) -> None:
+        try:
+            proc.start("/health", timeout=180)
+        except BaseException as exc:  # reported below, from the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in procs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        for p in procs:
+            p.stop()
+        raise errors[0]
+    return procs
