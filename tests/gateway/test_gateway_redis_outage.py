@@ -1,0 +1,84 @@
+"""Redis stopped: the gateway answers 503 with Retry-After instead of unrecordable answers,
+and recovers by itself once Redis is back. Uses its own redis-server, never the shared one."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+
+import pytest
+import redis
+
+from tests.support.procs import free_port
+
+MODEL = "Qwen/Qwen3-8B"
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+
+
+class OwnRedis:
+    def __init__(self, tmp_path) -> None:
+        self.port = free_port()
+        self.dir = tmp_path
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.dir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                redis.Redis.from_url(self.url).ping()
+                return
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "own redis-server did not start"
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def own_redis(tmp_path):
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    r = OwnRedis(tmp_path)
+    r.start()
+    yield r
+    r.stop()
+
+
+def test_redis_down_gives_503_then_recovers(start_gateway, vllm_worker, own_redis):
+    gw = start_gateway([vllm_worker.url], redis=own_redis.url)
+    with gw.http() as http:
+        assert http.post("/v1/chat/completions", json=BODY).status_code == 200
+
+        own_redis.stop()
+        seen_503 = None
+        deadline = time.monotonic() + 30
+        while seen_503 is None and time.monotonic() < deadline:
+            r = http.post("/v1/chat/completions", json=BODY)
+            assert r.status_code in (200, 503), r.text
+            if r.status_code == 503:
+                seen_503 = r
+        assert seen_503 is not None
+        assert int(seen_503.headers["Retry-After"]) >= 1
+        assert seen_503.json()["error"]["code"] == "recorder_unavailable"
+        assert http.get("/readyz").status_code == 503
+        forwarded = len(vllm_worker.forwarded())
+        assert http.post("/v1/chat/completions", json=BODY).status_code == 503
+        assert len(vllm_worker.forwarded()) == forwarded  # refused before any work
+
+        own_redis.start()
+        deadline = time.monotonic() + 30
+        while (r := http.post("/v1/chat/completions", json=BODY)).status_code != 200:
+            assert r.status_code == 503 and time.monotonic() < deadline
+            time.sleep(0.1)
+        rid = r.json()["id"]
+        assert http.get(f"/v1/requests/{rid}").json()["status"] == "complete"
+        assert http.get("/readyz").status_code == 200
