@@ -76,6 +76,10 @@ class ModelConfig:
             raise ModelConfigError(
                 f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads"
             )
+        if raw.get("hidden_act", "silu") != "silu" or raw.get("mlp_bias"):
+            raise ModelConfigError("only SwiGLU MLPs without bias are supported")
+        # transformers >= 5 writes theta and scaling together as "rope_parameters".
+        rope = raw.get("rope_parameters") or {}
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
@@ -88,8 +92,8 @@ class ModelConfig:
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
-            rope_scaling=_rope_scaling(raw.get("rope_scaling")),
+            rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+            rope_scaling=_rope_scaling(raw.get("rope_scaling") or rope),
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qk_norm=ARCHITECTURES[arch],

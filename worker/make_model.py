@@ -136,6 +136,14 @@ def resolve_model(name_or_path: str) -> Path:
 def make_model(preset_name: str, out: Path, seed: int) -> None:
     preset = PRESETS[preset_name]
     out.mkdir(parents=True, exist_ok=True)
+    vocab_size, eos_ids = write_tokenizer(out, preset)
+    _write_json(out / "config.json", _hf_config(preset, vocab_size, eos_ids[0]))
+    _write_weights(out, preset, vocab_size, seed)
+
+
+def write_tokenizer(out: Path, preset: Preset) -> tuple[int, list[int]]:
+    """tokenizer.json, tokenizer_config.json and generation_config.json; returns the model's
+    vocabulary size and its eos ids (<|im_end|> first)."""
     tokenizer = train_bpe(preset.tokenizer_vocab)
     vocab_size = preset.vocab_size or tokenizer.get_vocab_size()
     tokenizer_json = _pad_vocab(json.loads(tokenizer.to_str()), vocab_size)
@@ -154,9 +162,7 @@ def make_model(preset_name: str, out: Path, seed: int) -> None:
         },
     )
     _write_json(out / "generation_config.json", {"eos_token_id": eos_ids})
-    config = _hf_config(preset, vocab_size, eos_ids[0])
-    _write_json(out / "config.json", config)
-    _write_weights(out, preset, vocab_size, seed)
+    return vocab_size, eos_ids
 
 
 def _hf_config(p: Preset, vocab_size: int, eos_id: int) -> dict:
