@@ -54,6 +54,8 @@ class Analysis:
     unit: str
     unique_completions: int
     most_common_count: int
+    # Distinct (completion, logprobs) pairs: > unique_completions when only the bits differ.
+    distinct_outputs: int
     reference_index: int | None
     comparisons: tuple[Comparison, ...]
     variants: tuple[Variant, ...]
@@ -131,7 +133,7 @@ def _abs_deltas(sample: Sample, reference: Sample, unit: str, divergence: int | 
 
 def analyse(samples: Sequence[Sample]) -> Analysis:
     if not samples:
-        return Analysis(0, "token_id", 0, 0, None, (), ())
+        return Analysis(0, "token_id", 0, 0, 0, None, (), ())
     unit = comparison_unit(samples)
     counts = Counter(sequence_of(s, unit) for s in samples)
     # Counter keeps first-seen order among equal counts, so ties go to the earliest completion.
@@ -140,6 +142,7 @@ def analyse(samples: Sequence[Sample]) -> Analysis:
     comparisons = tuple(compare(s, reference, unit) for s in samples if s is not reference)
     return Analysis(
         n=len(samples), unit=unit, unique_completions=len(counts), most_common_count=most_common,
+        distinct_outputs=len({(sequence_of(s, unit), s.logprobs) for s in samples}),
         reference_index=reference.index, comparisons=comparisons,
         variants=_variants(samples, reference, unit, comparisons),
     )

@@ -45,7 +45,7 @@ def contract_json(result: AuditResult) -> dict:
             "mixed_in_requests": c.mix_done, "mixed_in_errors": c.mix_errors,
             "retries": result.stats.retries, "dropped_fields": result.stats.dropped_fields,
             "compared_by": a.unit, "reference_index": a.reference_index,
-            "exact_matches": a.exact_matches,
+            "exact_matches": a.exact_matches, "distinct_outputs": a.distinct_outputs,
             "fingerprints": sorted({x.fingerprint for x in c.samples if x.fingerprint}),
             "samples": [
                 {"index": x.index, "first_divergence": x.first_divergence,
@@ -99,6 +99,7 @@ def summary_rows(result: AuditResult) -> list[tuple[str, str]]:
             f"max {max(positions)})" if positions else "")),
         ("exact matches", f"{a.exact_matches} of {a.n} (same {_unit_name(a.unit)}, "
                           "logprobs bitwise equal)"),
+        ("numerically distinct answers", f"{a.distinct_outputs} (completion and logprobs)"),
         ("logprob MSE (mean)", fmt(a.logprob_mse_mean)),
         ("max |delta logprob|", fmt(a.max_abs_logprob_diff)),
     ]

@@ -43,7 +43,7 @@ def test_identical_samples_give_one_completion_and_zero_differences():
     assert result.first_divergence == []
     assert result.logprob_mse_mean == 0.0
     assert result.max_abs_logprob_diff == 0.0
-    assert result.exact_matches == 5
+    assert result.exact_matches == 5 and result.distinct_outputs == 1
     assert result.variants == ()
     assert result.unit == "token_id"
 
@@ -59,6 +59,7 @@ def test_bit_level_logprob_difference_without_token_flip_is_measured():
     assert result.max_abs_logprob_diff == abs(nudged - lp) > 0
     assert result.logprob_mse_mean == pytest.approx((abs(nudged - lp) ** 2 / 2) / 2)
     assert result.exact_matches == 2
+    assert result.distinct_outputs == 2
 
 
 def test_reference_is_the_most_common_completion_and_positions_follow_it():
