@@ -50,10 +50,15 @@ CONFIGS_16BIT = {
     "m64n128": TileConfig(64, 128, 4, 5, ctas_per_sm=1),
     "m64n64": TileConfig(64, 64, 4, 6, ctas_per_sm=2),
     "m64n32": TileConfig(64, 32, 4, 8, ctas_per_sm=2),
-    "m64n16": TileConfig(64, 16, 4, 8, ctas_per_sm=3),
+    "m64n16": TileConfig(64, 16, 4, 8, ctas_per_sm=2),
+    "m128n64": TileConfig(128, 64, 4, 6, ctas_per_sm=1),
 }
 CONFIG_FP32 = TileConfig(64, 64, 4, 3)
 CONFIG_INTERPRETER = TileConfig(16, 32, 4, 1)
+
+# Measured on H200 (bench/gpu_kernels.py, Qwen3-8B projections): (N, K) -> ((M upper bound,
+# config name), ...) in increasing M; M above the last bound takes the last config.
+TUNED_16BIT: dict[tuple[int, int], tuple[tuple[int, str], ...]] = {}
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,9 @@ def pick_config(m: int, n: int, k: int, dtype: torch.dtype, info: DeviceInfo) ->
     if dtype == torch.float32:
         return CONFIG_FP32
     c = CONFIGS_16BIT
+    tuned = TUNED_16BIT.get((n, k))
+    if tuned:
+        return c[next((name for upper, name in tuned if m <= upper), tuned[-1][1])]
     if m <= 64:
         # Memory-bound: the weights are read once; enough programs must stream them.
         for name in ("m64n128", "m64n64", "m64n32"):

@@ -1,0 +1,225 @@
+"""One GPU session for the Triton kernels: tests, tile exploration, bitwise proofs, benchmark.
+
+Run from the repository root on a CUDA machine:
+    PYTHONPATH=. python bench/gpu_kernels.py OUT_DIR [--tune] [--skip-tests]
+Writes OUT_DIR/gpu_kernels.json (everything), OUT_DIR/kernels-bench.json (the `detgate bench
+kernels` result), OUT_DIR/pytest.log.
+
+Phases:
+1. ceilings: device copy bandwidth, cuBLAS bf16 rate at 8192^3;
+2. cross-config bits: every tile config (and the pointer path) gives the same bits on every
+   projection shape at several M, so the shape-dependent choice cannot change a result;
+3. with --tune: time every candidate config on every (shape, M) and use the fastest per M
+   bucket as kernels.matmul.TUNED_16BIT for the rest of the run (printed, to be committed);
+4. the benchmark (kernels.bench.run_all);
+5. invariance sweeps with the dispatch in force: M = 1..8192 on every projection (lm_head:
+   1..1024, then every 7th M), fp16/fp32 spot sweeps, rms_norm / log_softmax rows, and the
+   cuBLAS negative control;
+6. the GPU test files (pytest, native Triton).
+Phases that would start past --deadline seconds are skipped (and say so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+import traceback
+from importlib import import_module
+from pathlib import Path
+
+import torch
+
+from kernels import bench
+
+mm = import_module("kernels.matmul")
+RESULT: dict = {}
+T0 = time.time()
+
+
+def log(*args) -> None:
+    print(f"[{time.time() - T0:6.1f}s]", *args, flush=True)
+
+
+def phase(name: str, fn, out: Path, deadline: float) -> None:
+    if time.time() - T0 > deadline:
+        RESULT[name] = {"skipped": f"past the {deadline:.0f}s deadline"}
+        log(f"{name} skipped (deadline)")
+        return
+    start = time.time()
+    try:
+        RESULT[name] = fn()
+    except Exception:  # a failed phase is recorded and the next one still runs
+        RESULT[name] = {"error": traceback.format_exc()}
+        log(f"{name} FAILED\n{traceback.format_exc()}")
+    RESULT.setdefault("phase_seconds", {})[name] = round(time.time() - start, 1)
+    (out / "gpu_kernels.json").write_text(json.dumps(RESULT, indent=1, default=str))
+    log(f"{name} done in {time.time() - start:.1f}s")
+
+
+def ceilings() -> dict:
+    src = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy_ms = bench.time_calls(lambda i: dst.copy_(src), 1, 0)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_ms = bench.time_calls(lambda i: torch.mm(a, b), 1, 8192 * 8192 * 2)
+    return {"copy_tb_s": 2 * 2 * 1024**3 / copy_ms / 1e9,
+            "cublas_bf16_tflops_8192": 2 * 8192**3 / mm_ms / 1e9}
+
+
+def run_tests(out: Path) -> dict:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA",
+           "tests/kernels/test_gpu_ops.py", "tests/kernels/test_triton_ops.py",
+           "tests/kernels/test_mode.py"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    (out / "pytest.log").write_text(proc.stdout + proc.stderr)
+    tail = proc.stdout.strip().splitlines()[-1:] if proc.stdout else []
+    log("pytest:", *tail)
+    return {"returncode": proc.returncode, "summary": tail}
+
+
+def shape_inputs(n: int, k: int, m_max: int, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(n * 7 + k)
+    a = torch.randn(m_max, k, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(dtype)
+    return a, w
+
+
+def cross_config_bits() -> dict:
+    report = {}
+    for name, (n, k) in bench.MATMUL_SHAPES.items():
+        a, w = shape_inputs(n, k, 1000)
+        differing = []
+        for m in (1, 5, 64, 65, 130, 300, 1000):
+            outs = {c: mm.matmul(a[:m], w.t(), config=cfg) for c, cfg in mm.CONFIGS_16BIT.items()}
+            shifted = torch.empty(m * k + 1, device="cuda", dtype=a.dtype)[1:].view(m, k)
+            shifted.copy_(a[:m])
+            outs["pointer"] = mm.matmul(shifted, w.t())
+            ref = outs["m128n256"]
+            differing += [f"M={m} {c}" for c, o in outs.items() if not torch.equal(o, ref)]
+        report[name] = differing
+        log("cross-config", name, differing or "all equal")
+    return report
+
+
+def explore() -> dict:
+    """Time every candidate config on every (shape, M); returns the per-shape tuned table."""
+    info = mm.device_info(torch.cuda.current_device())
+    timings, table = {}, {}
+    for name, (n, k) in bench.MATMUL_SHAPES.items():
+        weights = bench.matmul_weights(n, k)
+        entries = []
+        for m in bench.M_VALUES:
+            a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            inputs = [(a, w.t()) for w in weights]
+            row = {"torch": bench.time_calls(lambda i, inp=inputs: torch.mm(*inp[i]),
+                                             len(inputs), m * n * 2)}
+            for cname, cfg in mm.CONFIGS_16BIT.items():
+                if cfg.block_n <= 64 and cfg.block_m == 64 and m > 256:
+                    continue  # narrow tiles only pay off while the weights dominate
+                row[cname] = bench.time_calls(
+                    lambda i, inp=inputs, cfg=cfg: mm.matmul(*inp[i], config=cfg),
+                    len(inputs), m * n * 2)
+            best = min((v, c) for c, v in row.items() if c != "torch")
+            default = bench.config_name(mm.pick_config(m, n, k, torch.bfloat16, info))
+            timings[f"{name} M={m}"] = row
+            entries.append((m, best[1]))
+            log(f"explore {name:<13} M={m:<5} torch {row['torch']:.4f} ms  best {best[1]} "
+                f"{best[0]:.4f} ms ({row['torch'] / best[0]:.2f}x)  default {default} "
+                f"({row['torch'] / row.get(default, float('nan')):.2f}x)")
+        del weights
+        torch.cuda.empty_cache()
+        table[(n, k)] = tuple(entries)
+    mm.TUNED_16BIT.update(table)
+    return {"timings": timings, "table": {f"{n},{k}": v for (n, k), v in table.items()}}
+
+
+def mismatches(fn, a, b, ms) -> list[int]:
+    full = fn(a, b)
+    flags = torch.zeros(len(ms), dtype=torch.bool, device="cuda")
+    for i, m in enumerate(ms):
+        flags[i] = (fn(a[:m], b) != full[:m]).any()
+    return [m for m, bad in zip(ms, flags.tolist(), strict=True) if bad]
+
+
+def sweeps() -> dict:
+    report = {}
+    for name, (n, k) in bench.MATMUL_SHAPES.items():
+        ms = list(range(1, 8193)) if name != "lm_head" else \
+            list(range(1, 1025)) + list(range(1031, 8192, 7)) + [8192]
+        a, w = shape_inputs(n, k, 8192)
+        start = time.time()
+        bad = mismatches(mm.matmul, a, w.t(), ms)
+        report[f"matmul {name}"] = {"m_tested": len(ms), "m_max": ms[-1], "mismatched_m": bad}
+        log(f"sweep {name}: {len(ms)} M values, {len(bad)} mismatched, {time.time() - start:.1f}s")
+        if name in ("o_proj", "down_proj"):
+            ctrl = mismatches(torch.mm, a[:1024], w.t(), list(range(1, 1025)))
+            report[f"cublas {name} (negative control)"] = {"m_tested": 1024,
+                                                            "mismatched_m": ctrl}
+            log(f"cublas {name}: {len(ctrl)} of M=1..1024 differ, e.g. {ctrl[:12]}")
+        del a, w
+        torch.cuda.empty_cache()
+    for dtype, ms in ((torch.float16, list(range(1, 300)) + [1000, 4096]),
+                      (torch.float32, list(range(1, 150)) + [257, 1000])):
+        a, w = shape_inputs(4096, 4096, ms[-1], dtype)
+        bad = mismatches(mm.matmul, a, w.t(), ms)
+        report[f"matmul o_proj {dtype}"] = {"m_tested": len(ms), "mismatched_m": bad}
+        log(f"sweep o_proj {dtype}: {len(bad)} mismatched of {len(ms)}")
+    rn = import_module("kernels.rmsnorm")
+    ls = import_module("kernels.log_softmax")
+    x = torch.randn(8192, bench.HIDDEN, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn_like(x)
+    wn = torch.randn(bench.HIDDEN, device="cuda", dtype=torch.bfloat16)
+    ms = list(range(1, 8193))
+    report["rms_norm"] = {"mismatched_m": mismatches(lambda p, q: rn.rms_norm(p, q, 1e-6),
+                                                     x, wn, ms), "m_tested": len(ms)}
+    report["add_rms_norm"] = {"mismatched_m": mismatches(
+        lambda p, q: rn.add_rms_norm(p, q, wn, 1e-6)[0], x, r, ms), "m_tested": len(ms)}
+    logits = torch.randn(512, bench.VOCAB, device="cuda") * 4
+    ms = list(range(1, 513))
+    report["log_softmax"] = {"mismatched_m": mismatches(lambda p, _: ls.log_softmax(p),
+                                                        logits, None, ms), "m_tested": len(ms)}
+    log("sweep norms:", {k: len(v["mismatched_m"]) for k, v in report.items()
+                         if not k.startswith(("matmul", "cublas"))})
+    return report
+
+
+def benchmark(out: Path) -> dict:
+    result = bench.run_all()
+    rows = result.pop("_rows")
+    bench.print_rows(rows)
+    result["tuned_table"] = {f"{n},{k}": v for (n, k), v in mm.TUNED_16BIT.items()}
+    (out / "kernels-bench.json").write_text(json.dumps(result, indent=1))
+    return result["summary"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--tune", action="store_true")
+    parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--deadline", type=float, default=360.0,
+                        help="seconds after which the remaining phases are skipped")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    RESULT["environment"] = bench.environment()
+    log(RESULT["environment"])
+    phase("ceilings", ceilings, out, args.deadline)
+    log(RESULT["ceilings"])
+    phase("cross_config_bits", cross_config_bits, out, args.deadline)
+    if args.tune:
+        phase("explore", explore, out, args.deadline)
+        log("TUNED_16BIT =", RESULT["explore"].get("table"))
+    phase("benchmark", lambda: benchmark(out), out, args.deadline)
+    phase("sweeps", sweeps, out, args.deadline)
+    if not args.skip_tests:
+        phase("tests", lambda: run_tests(out), out, args.deadline)
+    log("done")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+"""`detgate bench kernels`: the batch-invariant kernels against torch, side by side in one run.
+
+Shapes are Qwen3-8B's (hidden 4096, intermediate 12288, 32 q / 8 kv heads of 128, vocab
+151936), M (tokens in the batch) from 1 to 8192. Every timing is the median of CUDA-graph
+replays of many back-to-back calls (launch gaps out of the numbers, as a serving engine runs
+them), rotating over enough weight copies that the weights never sit in L2 between calls.
+`ratio` = torch time / our time: above 1 we are faster.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from importlib import import_module, util
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+HIDDEN = 4096
+VOCAB = 151936
+EPS = 1e-6
+M_VALUES = (1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# name -> (N, K) of x [M, K] @ W.t(), W [N, K] as nn.Linear stores it.
+MATMUL_SHAPES = {
+    "qkv_proj": (4096 + 1024 + 1024, HIDDEN),
+    "o_proj": (HIDDEN, HIDDEN),
+    "gate_up_proj": (2 * 12288, HIDDEN),
+    "down_proj": (HIDDEN, 12288),
+    "lm_head": (VOCAB, HIDDEN),
+}
+# Goals (issue): matmul >= 0.9x cuBLAS at M >= 256, >= 0.8x at M <= 64; norms >= 0.9x torch.
+MATMUL_GOALS = ((64, 0.8), (255, None), (8192, 0.9))
+
+
+@dataclass
+class Row:
+    op: str
+    shape: str
+    m: int
+    ours_ms: float
+    torch_ms: float
+    ratio: float
+    # TFLOP/s for matmuls, GB/s of compulsory traffic for the memory-bound ops (ours)
+    ours_rate: float
+    rate_unit: str
+    config: str = ""
+
+
+def _matmul_mod():
+    return import_module("kernels.matmul")
+
+
+def time_calls(call: Callable[[int], object], copies: int, out_bytes: int,
+               target_ms: float = 3.0, replays: int = 7) -> float:
+    """Milliseconds per call: median over replays of a CUDA graph of back-to-back calls,
+    call(i) using input copy i % copies."""
+    for i in range(copies):  # compile, autotune-free warm-up, cuBLAS handles
+        call(i)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(copies):
+        call(i)
+    end.record()
+    torch.cuda.synchronize()
+    estimate = max(start.elapsed_time(end) / copies, 1e-3)
+    # Outputs made inside the capture live in the graph's pool: bound their total size.
+    reps = max(1, min(200, math.ceil(target_ms / estimate), int(4e9 // max(out_bytes, 1))))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call(0)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for r in range(reps):
+            call(r % copies)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    del graph
+    return statistics.median(times)
+
+
+def copies_for(nbytes: int) -> int:
+    """Enough input copies that a round of them overflows L2 three times."""
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    return max(1, min(8, math.ceil(3 * l2 / max(nbytes, 1))))
+
+
+def matmul_weights(n: int, k: int, dtype=torch.bfloat16) -> list[torch.Tensor]:
+    count = copies_for(n * k * 2)
+    return [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(count)]
+
+
+def side_by_side(ours: Callable, ref: Callable, inputs: list[tuple], out_bytes: int
+                 ) -> tuple[float, float]:
+    """(our ms, torch ms) per call on the same rotating inputs, measured back to back."""
+    ours_ms = time_calls(lambda i: ours(*inputs[i]), len(inputs), out_bytes)
+    ref_ms = time_calls(lambda i: ref(*inputs[i]), len(inputs), out_bytes)
+    return ours_ms, ref_ms
+
+
+def bench_matmul(name: str, n: int, k: int, m_values=M_VALUES) -> list[Row]:
+    mm = _matmul_mod()
+    weights = matmul_weights(n, k)
+    info = mm.device_info(torch.cuda.current_device())
+    rows = []
+    for m in m_values:
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        inputs = [(a, w.t()) for w in weights]
+        ours, ref = side_by_side(mm.matmul, torch.mm, inputs, m * n * 2)
+        cfg = mm.pick_config(m, n, k, torch.bfloat16, info)
+        rows.append(Row("matmul", name, m, ours, ref, ref / ours, 2.0 * m * n * k / ours / 1e9,
+                        "TFLOP/s", config_name(cfg)))
+    return rows
+
+
+def config_name(cfg) -> str:
+    names = {v: key for key, v in _matmul_mod().CONFIGS_16BIT.items()}
+    return names.get(cfg, str(cfg))
+
+
+def _randn_copies(m: int, width: int, dtype, nbytes: int) -> list[torch.Tensor]:
+    return [torch.randn(m, width, device="cuda", dtype=dtype) for _ in range(copies_for(nbytes))]
+
+
+def _torch_add_rms_norm(x, r, w, eps):
+    s = x + r
+    return F.rms_norm(s, (x.shape[-1],), w, eps), s
+
+
+def bench_rms_norm(m_values=M_VALUES) -> list[Row]:
+    rn = import_module("kernels.rmsnorm")
+    w = torch.randn(HIDDEN, device="cuda", dtype=torch.bfloat16)
+    shape = f"[M,{HIDDEN}] bf16"
+    rows = []
+    for m in m_values:
+        nbytes = m * HIDDEN * 2
+        xs = _randn_copies(m, HIDDEN, torch.bfloat16, 2 * nbytes)
+        rs = _randn_copies(m, HIDDEN, torch.bfloat16, 2 * nbytes)
+        ours, ref = side_by_side(rn.rms_norm, lambda x, w, e: F.rms_norm(x, (HIDDEN,), w, e),
+                                 [(x, w, EPS) for x in xs], nbytes)
+        rows.append(Row("rms_norm", shape, m, ours, ref, ref / ours, 2 * nbytes / ours / 1e6,
+                        "GB/s"))
+        ours, ref = side_by_side(rn.add_rms_norm, _torch_add_rms_norm,
+                                 [(x, r, w, EPS) for x, r in zip(xs, rs, strict=False)],
+                                 2 * nbytes)
+        rows.append(Row("add_rms_norm", shape, m, ours, ref, ref / ours,
+                        4 * nbytes / ours / 1e6, "GB/s"))
+    return rows
+
+
+def bench_log_softmax(m_values=M_VALUES) -> list[Row]:
+    ls = import_module("kernels.log_softmax")
+    rows = []
+    for m in m_values:
+        nbytes = m * VOCAB * 4
+        inputs = [(x, -1) for x in _randn_copies(m, VOCAB, torch.float32, 2 * nbytes)]
+        ours, ref = side_by_side(ls.log_softmax, torch.log_softmax, inputs, nbytes)
+        rows.append(Row("log_softmax", f"[M,{VOCAB}] fp32", m, ours, ref, ref / ours,
+                        2 * nbytes / ours / 1e6, "GB/s"))
+        del inputs
+    return rows
+
+
+def bench_attention() -> list[dict]:
+    """The attention kernels' own rows, when their benchmark module is present."""
+    if util.find_spec("kernels.attention_bench") is None:
+        return []
+    return list(import_module("kernels.attention_bench").run(torch.device("cuda")))
+
+
+def matmul_goal(m: int) -> float | None:
+    for upper, goal in MATMUL_GOALS:
+        if m <= upper:
+            return goal
+    return None
+
+
+def summarize(rows: list[Row]) -> dict:
+    misses = []
+    for r in rows:
+        goal = matmul_goal(r.m) if r.op == "matmul" else 0.9
+        if goal is not None and r.ratio < goal:
+            misses.append(f"{r.op} {r.shape} M={r.m}: {r.ratio:.2f}x < {goal}x")
+    return {"goal_misses": misses, "rows": len(rows)}
+
+
+def environment() -> dict:
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    triton = import_module("triton")
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                check=True, cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):  # a copy of the tree without .git
+        commit = os.environ.get("DETGATE_GIT_COMMIT")
+    return {
+        "device": props.name, "sms": props.multi_processor_count,
+        "l2_bytes": props.L2_cache_size,
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "triton": triton.__version__, "cuda": torch.version.cuda},
+        "git_commit": commit,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def print_rows(rows: list[Row]) -> None:
+    print(f"{'op':<13}{'shape':<22}{'M':>6}{'ours ms':>10}{'torch ms':>10}{'ratio':>7}"
+          f"{'rate':>9} {'unit':<8}{'config'}")
+    for r in rows:
+        print(f"{r.op:<13}{r.shape:<22}{r.m:>6}{r.ours_ms:>10.4f}{r.torch_ms:>10.4f}"
+              f"{r.ratio:>7.2f}{r.ours_rate:>9.1f} {r.rate_unit:<8}{r.config}")
+
+
+def run_all() -> dict:
+    rows: list[Row] = []
+    for name, (n, k) in MATMUL_SHAPES.items():
+        rows += bench_matmul(name, n, k)
+        torch.cuda.empty_cache()
+    rows += bench_rms_norm()
+    rows += bench_log_softmax()
+    torch.cuda.empty_cache()
+    return {**environment(), "rows": [asdict(r) for r in rows], "attention": bench_attention(),
+            "summary": summarize(rows), "_rows": rows}
+
+
+def main(args) -> int:
+    if not torch.cuda.is_available():
+        print("detgate bench kernels needs a CUDA device (the CPU kernels have their own tests).")
+        return 2
+    result = run_all()
+    rows = result.pop("_rows")
+    print_rows(rows)
+    for row in result["attention"]:
+        print(row)
+    print("goal misses:", *result["summary"]["goal_misses"] or ["none"], sep="\n  ")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.json}")
+    return 0
