@@ -70,8 +70,9 @@ def test_every_tile_config_gives_the_same_bits(mm, n, k):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float16, 2e-3),
-                                       (torch.float32, 1e-6)])
+                                       (torch.float32, 2e-5)])
 def test_matmul_accuracy_and_no_tf32(mm, dtype, tol):
+    # fp32 over K = 4096: IEEE lands near 3e-6, TF32 (10 mantissa bits) near 5e-4.
     a, w = _weights(1024, 4096, dtype)
     a = a[:300]
     bias = torch.randn(1024, device="cuda").to(dtype)
