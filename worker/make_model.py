@@ -93,6 +93,8 @@ PRESETS: dict[str, Preset] = {
 
 
 def main(args) -> int:
+    if args.preset not in PRESETS:
+        raise SystemExit(f"unknown preset {args.preset!r}; choose one of: {', '.join(PRESETS)}")
     out = Path(args.out) if args.out else default_folder(args.preset, args.seed)
     make_model(args.preset, out, args.seed)
     print(out)
