@@ -259,17 +259,6 @@ def test_images_hold_no_secrets_and_build_contexts_exclude_env_files(compose):
         assert not any(line.lstrip("!").startswith(("deploy", ".env")) for line in ignore), name
 
 
-def test_gateway_image_installs_the_base_package_only():
-    lines = (DEPLOY / "gateway.Dockerfile").read_text().splitlines()
-    instructions = "\n".join(line for line in lines if not line.lstrip().startswith("#"))
-    installs = re.findall(r"pip install ([^\n&\\]+)", instructions)
-    assert [i.strip() for i in installs] == ["."], installs
-    assert "torch" not in instructions and "triton" not in instructions
-    pyproject = (ROOT / "pyproject.toml").read_text()
-    base = pyproject.split("dependencies = [", 1)[1].split("]", 1)[0]
-    assert "torch" not in base and "triton" not in base
-
-
 def test_worker_images_install_torch_for_their_device():
     cpu = (DEPLOY / "worker-cpu.Dockerfile").read_text()
     gpu = (DEPLOY / "worker-gpu.Dockerfile").read_text()
