@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import secrets
 import shutil
+import subprocess
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -237,6 +238,15 @@ def test_secrets_reach_only_the_services_that_use_them(tmp_path):
     text = COMPOSE_FILE.read_text()
     for key in SECRETS:
         assert re.search(rf"\${{{key}:[?-]", text), f"{key} must come from the env file"
+
+
+def test_git_ignores_the_env_file_with_the_secrets():
+    out = subprocess.run(["git", "check-ignore", "-q", "deploy/.env"], cwd=ROOT)
+    assert out.returncode == 0
+    assert (
+        subprocess.run(["git", "check-ignore", "-q", "deploy/.env.example"], cwd=ROOT).returncode
+        == 1
+    )
 
 
 def test_images_hold_no_secrets_and_build_contexts_exclude_env_files(compose):
