@@ -36,6 +36,8 @@ from kernels import bench
 
 mm = import_module("kernels.matmul")
 RESULT: dict = {}
+# Configs whose bits differed from the reference config: never chosen by the tuning.
+BIT_DIFFERENT: set[str] = set()
 T0 = time.time()
 
 
@@ -101,6 +103,7 @@ def cross_config_bits() -> dict:
             ref = outs["m128n256"]
             differing += [f"M={m} {c}" for c, o in outs.items() if not torch.equal(o, ref)]
         report[name] = differing
+        BIT_DIFFERENT.update(d.split()[1] for d in differing)
         log("cross-config", name, differing or "all equal")
     return report
 
@@ -118,8 +121,9 @@ def explore() -> dict:
             row = {"torch": bench.time_calls(lambda i, inp=inputs: torch.mm(*inp[i]),
                                              len(inputs), m * n * 2)}
             for cname, cfg in mm.CONFIGS_16BIT.items():
-                if cfg.block_n <= 64 and cfg.block_m == 64 and m > 256:
-                    continue  # narrow tiles only pay off while the weights dominate
+                if cname in BIT_DIFFERENT or (cfg.block_m == 64 and m > 256 and
+                                              (cfg.block_n <= 64 or cfg.block_k > 64)):
+                    continue  # decode tiles only pay off while the weights dominate
                 row[cname] = bench.time_calls(
                     lambda i, inp=inputs, cfg=cfg: mm.matmul(*inp[i], config=cfg),
                     len(inputs), m * n * 2)

@@ -1,13 +1,14 @@
 """Batch-invariant matmul in Triton: C[M, N] = A[M, K] @ B[K, N] (+ bias[N]).
 
-Invariant (what makes row i independent of M): every output element is reduced over K in
-chunks of BLOCK_K, in increasing k, by one program, into one fp32 accumulator, with the same
-matrix instruction (wgmma k16 for bf16/fp16 on Hopper, mma otherwise; FMA for fp32, which runs
-as IEEE fp32, never TF32). There is no split-K and no stream-K. The tile shape in M and N
-(`TileConfig`) may follow the problem's shape, because it only decides which program computes
-an element, never the order of its K reduction: every config of a dtype shares BLOCK_K and the
-K loop. This is checked bitwise, config against config and over M = 1..8192, on the GPU
-(tests/kernels/test_gpu_ops.py, bench/gpu_kernels.py).
+Invariant (what makes row i independent of M): every output element is computed by one
+program, into one fp32 accumulator, as one chain of matrix instructions over K in increasing
+k: wgmma k16 steps for bf16/fp16 on Hopper (mma k16 before it), FMA steps for fp32, which runs
+as IEEE fp32, never TF32. There is no split-K and no stream-K. The tile shape (`TileConfig`)
+may follow the problem's shape because it decides only which program computes an element and
+how many k16 steps one loop iteration issues (BLOCK_K), never the order of those steps: the
+per-element chain is the same for every config of a dtype. That this holds on the hardware is
+checked bitwise, every config against every other on every projection shape, and over
+M = 1..8192 with the dispatch in force (tests/kernels/test_gpu_ops.py, bench/gpu_kernels.py).
 
 Two launch paths with the same reduction: a persistent kernel fed by TMA tensor descriptors
 (Hopper and later, 16-byte aligned operands) and a pointer kernel for everything else.
@@ -25,36 +26,39 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 
-# One BLOCK_K per dtype, for every shape: the K chunking must never depend on M.
-BLOCK_K_16BIT = 64
-BLOCK_K_FP32 = 32
-
-
 @dataclass(frozen=True)
 class TileConfig:
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    # k16 steps per loop iteration x 16. Larger BLOCK_K moves more bytes per iteration, which
+    # is what decode (tiny M, weights streamed once) is bound by; the step order is unchanged.
+    block_k: int = 64
     # Programs per SM for the persistent grid: >1 lets small memory-bound tiles overlap.
     ctas_per_sm: int = 1
     group_m: int = 8
 
 
-# Hopper, 16-bit operands. Tiles only: BLOCK_K is BLOCK_K_16BIT for all of them.
+# Hopper, 16-bit operands; shared memory per config stays under the 227 KB a program may use.
 CONFIGS_16BIT = {
     "m128n256": TileConfig(128, 256, 8, 3),
     "m128n128": TileConfig(128, 128, 8, 4),
     "m128n128w4": TileConfig(128, 128, 4, 4),
+    "m128n64": TileConfig(128, 64, 4, 6),
+    "m128n64k128": TileConfig(128, 64, 4, 4, block_k=128),
     "m64n256": TileConfig(64, 256, 4, 4),
-    "m64n128": TileConfig(64, 128, 4, 5, ctas_per_sm=1),
+    "m64n128": TileConfig(64, 128, 4, 5),
+    "m64n128k128": TileConfig(64, 128, 4, 4, block_k=128),
     "m64n64": TileConfig(64, 64, 4, 6, ctas_per_sm=2),
-    "m64n32": TileConfig(64, 32, 4, 8, ctas_per_sm=2),
-    "m64n16": TileConfig(64, 16, 4, 8, ctas_per_sm=2),
-    "m128n64": TileConfig(128, 64, 4, 6, ctas_per_sm=1),
+    "m64n64k128": TileConfig(64, 64, 4, 5, block_k=128),
+    "m64n64k256": TileConfig(64, 64, 4, 3, block_k=256),
+    "m64n32k128": TileConfig(64, 32, 4, 7, block_k=128),
+    "m64n32k256": TileConfig(64, 32, 4, 4, block_k=256),
+    "m64n16k256": TileConfig(64, 16, 4, 5, block_k=256),
 }
-CONFIG_FP32 = TileConfig(64, 64, 4, 3)
-CONFIG_INTERPRETER = TileConfig(16, 32, 4, 1)
+CONFIG_FP32 = TileConfig(64, 64, 4, 3, block_k=32)
+CONFIG_INTERPRETER = TileConfig(16, 32, 4, 1, block_k=32)
 
 # Measured on H200 (bench/gpu_kernels.py, Qwen3-8B projections): (N, K) -> ((M upper bound,
 # config name), ...) in increasing M; M above the last bound takes the last config.
@@ -90,14 +94,11 @@ def pick_config(m: int, n: int, k: int, dtype: torch.dtype, info: DeviceInfo) ->
         return c[next((name for upper, name in tuned if m <= upper), tuned[-1][1])]
     if m <= 64:
         # Memory-bound: the weights are read once; enough programs must stream them.
-        for name in ("m64n128", "m64n64", "m64n32"):
-            if triton.cdiv(n, c[name].block_n) >= info.num_sms:
-                return c[name]
-        return c["m64n16"]
-    if m <= 128:
-        return c["m64n128"] if triton.cdiv(n, 128) >= info.num_sms else c["m64n64"]
+        return c["m64n256"] if triton.cdiv(n, 256) >= info.num_sms // 2 else c["m64n64k128"]
+    if m <= 256:
+        return c["m128n64"]
     if m <= 512:
-        return c["m128n128"]
+        return c["m128n128w4"]
     return c["m128n256"]
 
 
@@ -216,7 +217,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     bt, b_is_nk = _b_layout(b)
     info = device_info(a.device.index if a.device.type == "cuda" else None)
     cfg = config or pick_config(m, n, k, a.dtype, info)
-    block_k = BLOCK_K_FP32 if a.dtype == torch.float32 else BLOCK_K_16BIT
+    block_k = cfg.block_k
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
     bias_arg = bias if bias is not None else out
     b_strides = (bt.stride(0),)

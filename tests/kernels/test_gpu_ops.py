@@ -89,8 +89,8 @@ def test_rms_norm_and_add_rms_norm_rows_do_not_depend_on_batch():
     w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
     full = rn.rms_norm(x, w, 1e-6)
     fused, summed = rn.add_rms_norm(x, r, w, 1e-6)
-    ref = torch.nn.functional.rms_norm(x.float(), (4096,), w.float(), 1e-6)
-    assert (full.float() - ref).abs().max().item() < 0.05
+    ref = torch.nn.functional.rms_norm(x.double(), (4096,), w.double(), 1e-6)
+    assert ((full.double() - ref).norm() / ref.norm()).item() < 1e-2
     assert torch.equal(summed, x + r)
     for m in (1, 2, 3, 31, 128, 1000):
         assert torch.equal(rn.rms_norm(x[:m], w, 1e-6), full[:m])
