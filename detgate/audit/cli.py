@@ -6,7 +6,8 @@ from __future__ import annotations
 def register(sub) -> None:
     p = sub.add_parser("audit", help="measure the determinism of an OpenAI-compatible endpoint")
     p.add_argument("--base-url", required=True, help="as the OpenAI SDK's base_url, e.g. http://127.0.0.1:8000/v1")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=None,
+                   help="sent as a Bearer token; default: $OPENAI_API_KEY, as the OpenAI SDK does")
     p.add_argument("--model", required=True)
     p.add_argument("--prompt", required=True)
     p.add_argument("-n", type=int, default=100, dest="n", help="identical requests to send")

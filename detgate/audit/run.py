@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 from pathlib import Path
 
@@ -38,7 +39,8 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit("detgate audit: -n, --concurrency and --max-tokens must be >= 1, "
                          "--mix >= 0")
     settings = settings_from(args)
-    result = asyncio.run(audit(settings, api_key=args.api_key, retries=args.retries,
+    api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    result = asyncio.run(audit(settings, api_key=api_key, retries=args.retries,
                                timeout_s=args.timeout, score=args.score))
     console = Console()
     render_terminal(result, console)
@@ -47,7 +49,13 @@ def main(args: argparse.Namespace) -> int:
     if args.report:
         out = Path(args.report)
         out.mkdir(parents=True, exist_ok=True)
-        write_markdown(result, out / "report.md", write_plots(result.analysis, out))
+        try:
+            plots = write_plots(result.analysis, out)
+        except ImportError:
+            # matplotlib is the `audit` extra: without it the report is still written, unplotted.
+            plots = []
+            console.print("no plots: matplotlib is not installed (pip install 'detgate[audit]')")
+        write_markdown(result, out / "report.md", plots)
         console.print(f"report written to {out / 'report.md'}")
     if result.collected.outcome == "interrupted" or result.score_outcome == "interrupted":
         return 130

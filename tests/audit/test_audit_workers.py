@@ -9,6 +9,7 @@ worker must answer bitwise identically; the default mode, the negative control, 
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import signal
 import subprocess
@@ -29,6 +30,8 @@ CONTRACT_FIELDS = {"n", "unique_completions", "most_common_count", "first_diverg
 PROMPT = "Tell me about Richard Feynman"
 N = 32
 LOAD = ("--concurrency", "8", "--mix", "4", "--max-tokens", "16")
+# A wide terminal, so that the report's rows are not wrapped where the tests read them.
+CLI_ENV = {**os.environ, "COLUMNS": "200"}
 
 
 def start_worker_proc(tiny_model: Path, log_dir: Path, mode: str) -> Proc:
@@ -59,7 +62,7 @@ def audit(base_url: str, tmp_path: Path, *extra: str, n: int = N) -> tuple[dict,
     run = subprocess.run(
         detgate_cmd("audit", "--base-url", base_url, "--model", "tiny", "--prompt", PROMPT,
                     "-n", str(n), *LOAD, "--json", str(out), *extra),
-        capture_output=True, text=True, timeout=300)
+        capture_output=True, text=True, timeout=300, env=CLI_ENV)
     assert run.returncode == 0, run.stdout + run.stderr
     return json.loads(out.read_text()), run.stdout
 
@@ -148,7 +151,7 @@ def test_wrong_model_fails_fast_with_the_endpoint_message(invariant_worker, tmp_
     run = subprocess.run(
         detgate_cmd("audit", "--base-url", invariant_worker.url + "/v1", "--model", "nope",
                     "--prompt", PROMPT, "-n", "4"),
-        capture_output=True, text=True, timeout=120)
+        capture_output=True, text=True, timeout=120, env=CLI_ENV)
     assert run.returncode == 1, run.stdout + run.stderr
     assert "error:" in run.stdout and "nope" in run.stdout
     assert "0 answered, 1 failed" in run.stdout
@@ -165,7 +168,7 @@ def test_ctrl_c_reports_what_it_has(invariant_worker, tmp_path):
         detgate_cmd("audit", "--base-url", invariant_worker.url + "/v1", "--model", "tiny",
                     "--prompt", PROMPT, "-n", "100000", "--concurrency", "4",
                     "--max-tokens", "4", "--json", str(out)),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=CLI_ENV)
     try:
         # Wait for real progress (engine steps), not for a duration.
         while engine_steps(invariant_worker) < steps + 40:
