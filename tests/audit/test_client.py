@@ -7,6 +7,8 @@ strict OpenAI-compatible provider: it answers 429 with Retry-After, 400 to unkno
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -160,6 +162,27 @@ def test_chat_response_with_vllm_token_ids_is_parsed():
     assert (sample.text, sample.token_ids, sample.prompt_token_ids) == ("Hi", (7, 8), (5, 6))
     assert sample.tokens == ("H", "i") and sample.logprobs == (-0.1, -0.2)
     assert sample.fingerprint == "fp_1"
+
+
+# vLLM's response shapes, as the gateway's tests keep them.
+VLLM_FIXTURES = Path(__file__).parent.parent / "gateway" / "fixtures"
+
+
+def test_vllm_completion_shape_is_parsed():
+    data = json.loads((VLLM_FIXTURES / "vllm_completion.json").read_text())
+    sample = parse_response(data, "completions", 0)
+    assert sample.token_ids == (12095, 13, 1084, 374)
+    assert sample.prompt_token_ids == (785, 6722, 315, 9625, 374)
+    assert sample.tokens == (" Paris", ".", " It", " is") and len(sample.logprobs) == 4
+    assert sample.fingerprint is None
+
+
+def test_vllm_chat_shape_is_parsed():
+    data = json.loads((VLLM_FIXTURES / "vllm_chat.json").read_text())
+    sample = parse_response(data, "chat/completions", 0)
+    assert sample.text == "Hello! How can I help?"
+    assert sample.tokens[:2] == ("Hello", "!") and sample.logprobs[4] == 0.0
+    assert sample.token_ids is None or len(sample.token_ids) == len(sample.tokens)
 
 
 def test_api_root():
