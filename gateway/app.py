@@ -46,13 +46,8 @@ class ObserveRequests:
         try:
             await self.app(scope, receive, send_status)
         finally:
-            elapsed = time.perf_counter() - t0
-            endpoint = endpoint_label(scope["path"])
-            self.metrics.requests.labels(endpoint, str(status)).inc()
-            self.metrics.request_duration.labels(endpoint).observe(elapsed)
-            upstream_s = state.get("upstream_s")
-            if upstream_s is not None:
-                self.metrics.overhead.observe(max(elapsed - upstream_s, 0.0))
+            self.metrics.observe_request(endpoint_label(scope["path"]), status,
+                                         time.perf_counter() - t0, state.get("upstream_s"))
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -90,7 +85,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="detgate gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     errors.install(app)
-    app.include_router(inference.router)
+    app.router.routes.extend(inference.routes)
     app.include_router(records.router)
     app.include_router(ops.router)
     app.add_middleware(ObserveRequests, metrics=metrics)

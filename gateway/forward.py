@@ -90,7 +90,7 @@ class Forwarder:
                 dt = time.perf_counter() - t0
                 spent += dt
                 self.router.release(worker)
-                self.metrics.upstream_duration.labels(worker.url).observe(dt)
+                self.metrics.observe_upstream(worker.url, dt)
             if answer.status >= 500:
                 last = self._failed(worker, Unreachable(f"answered {answer.status}"))
                 tried = worker

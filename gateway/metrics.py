@@ -64,13 +64,34 @@ class Metrics:
                                ["worker"], registry=r)
         self.worker_inflight = Gauge("detgate_worker_inflight", "Requests outstanding per worker",
                                      ["worker"], registry=r)
-        for label in ("stored", "failed"):
-            self.records.labels(label)
+        self._request_children: dict[tuple[str, int], tuple] = {}
+        self._upstream_children: dict[str, Histogram] = {}
+        self.records_stored = self.records.labels("stored")
+        self.records_failed = self.records.labels("failed")
         for label in ("match", "diverged", "error"):
             self.replays.labels(label)
         for url in workers:
             self.worker_up.labels(url).set(0)
-            self.worker_inflight.labels(url).set(0)
+
+    def observe_request(self, endpoint: str, status: int, elapsed_s: float,
+                        upstream_s: float | None) -> None:
+        # Labelled children are looked up once and kept: `labels()` takes a lock every call.
+        key = (endpoint, status)
+        children = self._request_children.get(key)
+        if children is None:
+            children = (self.requests.labels(endpoint, str(status)),
+                        self.request_duration.labels(endpoint))
+            self._request_children[key] = children
+        children[0].inc()
+        children[1].observe(elapsed_s)
+        if upstream_s is not None:
+            self.overhead.observe(max(elapsed_s - upstream_s, 0.0))
+
+    def observe_upstream(self, worker: str, seconds: float) -> None:
+        child = self._upstream_children.get(worker)
+        if child is None:
+            child = self._upstream_children[worker] = self.upstream_duration.labels(worker)
+        child.observe(seconds)
 
     def observe_replay(self, comparison: dict) -> None:
         self.replays.labels("match" if comparison["match"] else "diverged").inc()

@@ -34,10 +34,13 @@ def loads(data: bytes) -> dict:
 
 class Recorder:
     def __init__(self, url: str, *, prefix: str, ttl_s: int, timeout_s: float,
-                 retry_after_s: int) -> None:
-        self.redis = aioredis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-            health_check_interval=0, retry_on_timeout=False)
+                 retry_after_s: int, max_connections: int = 64) -> None:
+        # A blocking pool: under a burst, requests wait for a connection instead of failing
+        # with "too many connections" (which would read as Redis being down).
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=timeout_s, socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s)
+        self.redis = aioredis.Redis.from_pool(pool)
         self.keys = Keys(prefix)
         self.ttl_s = ttl_s
         self.retry_after_s = retry_after_s
@@ -80,8 +83,6 @@ class Recorder:
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.set(self.keys.record(tenant, record["id"]), dumps(record), ex=self.ttl_s)
                 pipe.zadd(idx, {record["id"]: created})
-                # Index entries older than the TTL point at expired records: drop them.
-                pipe.zremrangebyscore(idx, "-inf", f"({created - self.ttl_s}")
                 pipe.expire(idx, self.ttl_s)
                 await pipe.execute()
         except (RedisError, OSError) as exc:
@@ -104,8 +105,14 @@ class Recorder:
         return record, pttl
 
     async def list(self, tenant: str, limit: int) -> list[dict]:
+        idx = self.keys.index(tenant)
         try:
-            ids = await self.redis.zrevrange(self.keys.index(tenant), 0, limit - 1)
+            # Index entries older than the TTL point at expired records: drop them here, on
+            # the rare listing path, rather than on every write.
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.zremrangebyscore(idx, "-inf", f"({time.time() - self.ttl_s}")
+                pipe.zrevrange(idx, 0, limit - 1)
+                _, ids = await pipe.execute()
             if not ids:
                 return []
             async with self.redis.pipeline(transaction=False) as pipe:

@@ -59,6 +59,9 @@ class Router:
         self.metrics = metrics
         self.probe_timeout_s = probe_timeout_s
         self._turn = 0
+        for w in self.workers:
+            # Read at scrape time: no per-request cost on the hot path.
+            metrics.worker_inflight.labels(w.url).set_function(lambda w=w: w.inflight)
 
     # -- choice -------------------------------------------------------------------------------
 
@@ -84,11 +87,9 @@ class Router:
 
     def acquire(self, worker: Worker) -> None:
         worker.inflight += 1
-        self.metrics.worker_inflight.labels(worker.url).set(worker.inflight)
 
     def release(self, worker: Worker) -> None:
         worker.inflight -= 1
-        self.metrics.worker_inflight.labels(worker.url).set(worker.inflight)
 
     def eject(self, worker: Worker, reason: str) -> None:
         if worker.up:

@@ -44,9 +44,9 @@ class Services:
         try:
             await self.recorder.save(tenant, record)
         except RecorderUnavailable:
-            self.metrics.records.labels("failed").inc()
+            self.metrics.records_failed.inc()
             raise
-        self.metrics.records.labels("stored").inc()
+        self.metrics.records_stored.inc()
 
     async def save_quietly(self, tenant: str, record: dict) -> None:
         """For answers already (partly) sent: a failed write is counted and logged."""

@@ -11,8 +11,9 @@ import time
 from collections.abc import AsyncIterator
 
 import orjson
-from fastapi import APIRouter, Request
+from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
 
 from gateway import protocol, responses
 from gateway.errors import GatewayError, UpstreamFailed, UpstreamRejected, UpstreamTimeout
@@ -22,18 +23,21 @@ from gateway.recorder import now
 from gateway.services import Services, new_record_id, read_body, services
 from gateway.upstream import TimedOut, Unreachable
 
-router = APIRouter()
 RECORD_HEADER = "X-Detgate-Record-Id"
 
 
-@router.post(protocol.COMPLETIONS)
 async def completions(request: Request) -> Response:
     return await _handle(request, protocol.COMPLETIONS)
 
 
-@router.post(protocol.CHAT)
 async def chat_completions(request: Request) -> Response:
     return await _handle(request, protocol.CHAT)
+
+
+# Plain Starlette routes: the hot path needs no dependency injection, and skipping FastAPI's
+# per-request parameter solving is measurably cheaper (see the gateway benchmark).
+routes = [Route(protocol.COMPLETIONS, completions, methods=["POST"]),
+          Route(protocol.CHAT, chat_completions, methods=["POST"])]
 
 
 async def _handle(request: Request, endpoint: str) -> Response:
@@ -139,7 +143,7 @@ async def _relay(svc: Services, request: Request, tenant: str, parsed: ParsedReq
         svc.router.release(worker)
         elapsed = time.perf_counter() - opened.started
         request.state.upstream_s = elapsed
-        svc.metrics.upstream_duration.labels(worker.url).observe(elapsed)
+        svc.metrics.observe_upstream(worker.url, elapsed)
     svc.router.learn(worker, acc.fingerprint)
     await svc.save_quietly(tenant, record())
     if error is not None:

@@ -81,9 +81,16 @@ async def test_tenants_do_not_see_each_other(recorder):
 
 async def test_list_is_newest_first_and_limited(recorder):
     for i in range(5):
-        await recorder.save("t1", make_record(f"cmpl-{i}", [-1.0], created=1000.0 + i))
+        await recorder.save("t1", make_record(f"cmpl-{i}", [-1.0], created=now() - 10 + i))
     ids = [r["id"] for r in await recorder.list("t1", 3)]
     assert ids == ["cmpl-4", "cmpl-3", "cmpl-2"]
+
+
+async def test_listing_drops_index_entries_older_than_the_ttl(recorder):
+    await recorder.save("t1", make_record("cmpl-old", [-1.0], created=now() - 3600 - 60))
+    await recorder.save("t1", make_record("cmpl-new", [-1.0]))
+    assert [r["id"] for r in await recorder.list("t1", 10)] == ["cmpl-new"]
+    assert await recorder.redis.zrange(recorder.keys.index("t1"), 0, -1) == [b"cmpl-new"]
 
 
 async def test_redis_down_marks_unavailable_with_retry_after():
