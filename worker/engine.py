@@ -140,9 +140,11 @@ class AsyncEngine:
     outputs come back to the event loop with call_soon_threadsafe, one call per step.
     """
 
-    def __init__(self, engine: Engine, on_step: Callable[[StepStats], None] | None = None) -> None:
+    def __init__(self, engine: Engine, on_step: Callable[[StepStats], None] | None = None,
+                 on_finish: Callable[[str], None] | None = None) -> None:
         self.engine = engine
         self.on_step = on_step
+        self.on_finish = on_finish
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._queues: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -199,6 +201,9 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(self._deliver, outputs)
             if self.on_step is not None:
                 self.on_step(stats)
+            for out in outputs:
+                if out.finished:
+                    self._finished(out)
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply queued adds and aborts; False once asked to stop."""
@@ -215,7 +220,13 @@ class AsyncEngine:
             if message[0] == "add":
                 self.engine.add(*message[1:])
             else:
-                self.engine.abort(message[1])
+                out = self.engine.abort(message[1])
+                if out is not None:
+                    self._finished(out)
+
+    def _finished(self, out: RequestOutput) -> None:
+        if self.on_finish is not None:
+            self.on_finish(out.finish_reason)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -52,7 +52,8 @@ def create_app(config: EngineConfig) -> FastAPI:
         engine = Engine(config, loaded.model, loaded.config)
         metrics = WorkerMetrics()
         metrics.bind(engine)
-        async_engine = AsyncEngine(engine, on_step=metrics.observe_step)
+        async_engine = AsyncEngine(engine, on_step=metrics.observe_step,
+                                   on_finish=metrics.observe_finished)
         async_engine.start()
         name = Path(config.model).name
         app.state.metrics = metrics
