@@ -20,6 +20,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -224,14 +225,22 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     use_tma = (info.capability >= (9, 0) or info.capability == (0, 0)) and \
         _tma_ok(a, (a_stride0,)) and _tma_ok(bt, b_strides) and _tma_ok(out, (n,))
     if use_tma:
-        a_desc = TensorDescriptor(a, [m, k], [a_stride0, 1], [cfg.block_m, block_k])
+        rows, c_full = m, out
+        if m < cfg.block_m:
+            # Decode: TMA fills rows past M with zeros far slower than it streams the weights,
+            # so hand it a whole tile of rows, zero-padded. Each row still reduces alone.
+            rows, a_stride0 = cfg.block_m, k
+            a = F.pad(a, (0, 0, 0, rows - m))
+            c_full = torch.empty((rows, n), dtype=out.dtype, device=out.device)
+            out = c_full[:m]
+        a_desc = TensorDescriptor(a, [rows, k], [a_stride0, 1], [cfg.block_m, block_k])
         b_block = [cfg.block_n, block_k] if b_is_nk else [block_k, cfg.block_n]
         b_desc = TensorDescriptor(bt, list(bt.shape), [bt.stride(0), 1], b_block)
-        c_desc = TensorDescriptor(out, [m, n], [n, 1], [cfg.block_m, cfg.block_n])
-        num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+        c_desc = TensorDescriptor(c_full, [rows, n], [n, 1], [cfg.block_m, cfg.block_n])
+        num_tiles = triton.cdiv(rows, cfg.block_m) * triton.cdiv(n, cfg.block_n)
         grid = min(num_tiles, info.num_sms * cfg.ctas_per_sm)
         _matmul_tma_kernel[(grid,)](
-            a_desc, b_desc, c_desc, bias_arg, m, n, k, num_tiles, grid,
+            a_desc, b_desc, c_desc, bias_arg, rows, n, k, num_tiles, grid,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
             B_IS_NK=b_is_nk, HAS_BIAS=bias is not None, PRECISION=precision,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
