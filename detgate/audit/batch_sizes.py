@@ -35,7 +35,11 @@ class BatchSizes:
 
 def find_histogram(text: str) -> Histogram | None:
     """The first histogram whose name speaks of batch size, as exposed in `text`."""
-    for family in text_string_to_metric_families(text):
+    try:
+        families = list(text_string_to_metric_families(text))
+    except ValueError:  # a /metrics route that is not Prometheus text: nothing to read
+        return None
+    for family in families:
         if family.type != "histogram" or "batch" not in family.name or "size" not in family.name:
             continue
         cumulative: dict[float, float] = {}

@@ -115,7 +115,10 @@ class EndpointClient:
                     self._drop(level)
                     continue
                 raise
-            return parse_response(data, self.endpoint, index, attempts)
+            try:
+                return parse_response(data, self.endpoint, index, attempts)
+            except (KeyError, IndexError, TypeError, AttributeError) as exc:
+                raise AuditRequestError(f"not an OpenAI {self.endpoint} answer: {exc!r}") from exc
 
     async def score(self, token_ids: list[int], start: int) -> list[float]:
         """Teacher-forced logprobs of token_ids[start:] from the endpoint's /score route."""
@@ -175,7 +178,10 @@ class EndpointClient:
                     raise AuditRequestError(f"connection failed: {exc!r}") from exc
             else:
                 if response.status_code == 200:
-                    return response.json(), attempt
+                    try:
+                        return response.json(), attempt
+                    except ValueError as exc:
+                        raise AuditRequestError(f"answer is not JSON: {exc}") from exc
                 if response.status_code not in RETRY_STATUSES or attempt > self.retries:
                     raise AuditRequestError(_error_message(response), response.status_code,
                                             response.text)

@@ -50,6 +50,8 @@ class StrictProvider:
             self.throttle -= 1
             return web.json_response({"error": {"message": "slow down"}}, status=429,
                                      headers={"Retry-After": self.retry_after})
+        if body["prompt"] == "garbage":
+            return web.json_response({"choices": []})
         unknown = set(body) - STANDARD_FIELDS
         if unknown:
             return web.json_response(
@@ -120,6 +122,15 @@ async def test_retries_are_bounded(provider_url):
         await client.aclose()
     assert info.value.status == 429
     assert len(provider.bodies) == 3
+
+
+async def test_a_malformed_answer_is_a_failed_sample_not_a_crash(provider_url):
+    client = client_for(await provider_url(StrictProvider()))
+    try:
+        with pytest.raises(AuditRequestError, match="not an OpenAI completions answer"):
+            await client.complete(RequestSpec("garbage", 3, 0.0, None), 0)
+    finally:
+        await client.aclose()
 
 
 async def test_a_retry_after_beyond_the_time_bound_is_not_waited_for(provider_url):

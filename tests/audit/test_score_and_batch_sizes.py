@@ -68,4 +68,5 @@ def test_batch_sizes_are_the_growth_of_the_histogram():
 def test_no_batch_size_histogram_means_no_figures():
     assert batch_sizes(None, "# TYPE x_total counter\nx_total 1\n") is None
     assert batch_sizes(None, None) is None
+    assert batch_sizes(None, "<html>not prometheus</html>") is None
     assert find_histogram(metrics({"+Inf": 1}, 1)).name == "detgate_worker_batch_size_seqs"
