@@ -59,6 +59,8 @@ class Analysis:
     reference_index: int | None
     comparisons: tuple[Comparison, ...]
     variants: tuple[Variant, ...]
+    # Without logprobs no sample, not even the reference, can be called bitwise identical.
+    reference_has_logprobs: bool = False
 
     @property
     def first_divergence(self) -> list[int]:
@@ -79,7 +81,7 @@ class Analysis:
     @property
     def exact_matches(self) -> int:
         """Samples bitwise identical to the reference, the reference included."""
-        if self.reference_index is None:
+        if not self.reference_has_logprobs:
             return 0
         return 1 + sum(c.exact for c in self.comparisons)
 
@@ -145,6 +147,7 @@ def analyse(samples: Sequence[Sample]) -> Analysis:
         distinct_outputs=len({(sequence_of(s, unit), s.logprobs) for s in samples}),
         reference_index=reference.index, comparisons=comparisons,
         variants=_variants(samples, reference, unit, comparisons),
+        reference_has_logprobs=reference.logprobs is not None,
     )
 
 

@@ -176,6 +176,7 @@ def test_exact_needs_logprobs():
     result = analyse(samples)
     assert result.unique_completions == 1
     assert result.comparisons[0].exact is False
+    assert result.exact_matches == 0
     assert result.max_abs_logprob_diff is None
 
 
