@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import json
 from typing import Annotated
 
 from pydantic import Field, field_validator
@@ -28,10 +29,10 @@ class Settings(BaseSettings):
     record_ttl_s: int = Field(7 * 24 * 3600, gt=0)
     # Every Redis key starts with this, so several gateways (or tests) can share one Redis.
     key_prefix: str = "detgate"
-    # Operator labels folded into the fingerprint of workers that report none (vLLM): a JSON
-    # object from worker URL (or "*" for all) to a free-form string such as
-    # "VLLM_BATCH_INVARIANT=1,attention=FLASH_ATTN,gpu=H200".
-    worker_labels: dict[str, str] = Field(default_factory=dict)
+    # Operator labels folded into the fingerprint of workers that report none (vLLM): either
+    # one free-form string for every worker, e.g. "VLLM_BATCH_INVARIANT=1,gpu=H200", or a
+    # JSON object from worker URL (or "*" for the rest) to such a string.
+    worker_labels: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
 
     health_interval_s: float = Field(2.0, gt=0)
     connect_timeout_s: float = Field(2.0, gt=0)
@@ -50,6 +51,14 @@ class Settings(BaseSettings):
     @classmethod
     def _comma_list(cls, value: object) -> object:
         return _split_commas(value)
+
+    @field_validator("worker_labels", mode="before")
+    @classmethod
+    def _labels(cls, value: object) -> object:
+        if isinstance(value, str):
+            text = value.strip()
+            return json.loads(text) if text.startswith("{") else ({"*": text} if text else {})
+        return value
 
     @field_validator("workers")
     @classmethod

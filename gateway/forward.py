@@ -120,8 +120,13 @@ class Forwarder:
                 continue
             if stream.status == 200:
                 return Opened(worker, stream, t0)
-            raw = await stream.body()
-            self.router.release(worker)
+            try:
+                raw = await stream.body()
+            except Unreachable as exc:
+                last, tried = self._failed(worker, exc), worker
+                continue
+            finally:
+                self.router.release(worker)
             if stream.status >= 500:
                 last, tried = self._failed(worker, Unreachable(f"answered {stream.status}")), worker
                 continue

@@ -144,10 +144,10 @@ class StreamAccumulator:
                                                 "token_ids": [], "logprobs": []})
             acc["text"] += choice_text(self.is_chat, c)
             ids = choice_token_ids(self.is_chat, c)
-            if ids is not None and acc["token_ids"] is not None:
-                acc["token_ids"].extend(ids)
-            elif ids is None and (c.get("logprobs") or c.get("token_ids") is not None):
+            if ids is None:
                 acc["token_ids"] = None  # some tokens came without ids: do not fake a sequence
+            elif acc["token_ids"] is not None:
+                acc["token_ids"].extend(ids)
             acc["logprobs"].extend(choice_logprobs(self.is_chat, c))
             if c.get("finish_reason") is not None:
                 acc["finish_reason"] = c["finish_reason"]

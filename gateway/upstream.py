@@ -40,6 +40,8 @@ class EventStream:
     async def body(self) -> bytes:
         try:
             return await self.response.read()
+        except (aiohttp.ClientError, OSError) as exc:
+            raise Unreachable(f"worker answer broke: {exc}") from exc
         finally:
             self.close()
 
@@ -58,7 +60,11 @@ class EventStream:
                 yield line[5:].strip()
 
     def close(self) -> None:
-        self.response.release() if self.response.content.at_eof() else self.response.close()
+        """Keep the connection for reuse only if the answer was read to its end."""
+        if self.response.content.at_eof():
+            self.response.release()
+        else:
+            self.response.close()
 
 
 class Upstream:

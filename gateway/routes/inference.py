@@ -66,8 +66,7 @@ async def _whole(svc: Services, request: Request, tenant: str, parsed: ParsedReq
         sent = await svc.forwarder.send(parsed.model, parsed.endpoint,
                                         orjson.dumps(parsed.body), deadline=deadline)
     except (UpstreamRejected, UpstreamFailed, UpstreamTimeout) as exc:
-        await svc.save_quietly(tenant, _record(parsed, record_id, None, None, "failed",
-                                               choices=[], usage=None, error=exc.message))
+        await _record_failure(svc, tenant, parsed, record_id, exc)
         raise
     request.state.upstream_s = sent.upstream_s
     answer = orjson.loads(sent.answer.body)
@@ -83,10 +82,22 @@ async def _whole(svc: Services, request: Request, tenant: str, parsed: ParsedReq
                     headers={RECORD_HEADER: record_id})
 
 
+async def _record_failure(svc: Services, tenant: str, parsed: ParsedRequest, record_id: str,
+                          exc: GatewayError) -> None:
+    """A forwarded request that got no answer is recorded too, and the client told its id."""
+    exc.headers[RECORD_HEADER] = record_id
+    await svc.save_quietly(tenant, _record(parsed, record_id, None, None, "failed",
+                                           choices=[], usage=None, error=exc.message))
+
+
 async def _stream(svc: Services, request: Request, tenant: str, parsed: ParsedRequest,
                   record_id: str, deadline: float) -> Response:
-    opened = await svc.forwarder.open_stream(parsed.model, parsed.endpoint,
-                                             orjson.dumps(parsed.body), deadline=deadline)
+    try:
+        opened = await svc.forwarder.open_stream(parsed.model, parsed.endpoint,
+                                                 orjson.dumps(parsed.body), deadline=deadline)
+    except (UpstreamRejected, UpstreamFailed, UpstreamTimeout) as exc:
+        await _record_failure(svc, tenant, parsed, record_id, exc)
+        raise
     return StreamingResponse(
         _relay(svc, request, tenant, parsed, record_id, deadline, opened),
         media_type="text/event-stream",

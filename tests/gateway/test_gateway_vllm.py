@@ -12,6 +12,7 @@ import openai
 import orjson
 import pytest
 
+from gateway.config import Settings
 from gateway.router import derived_fingerprint
 from tests.gateway.vllm_worker import fixture, sse_payloads
 
@@ -33,7 +34,7 @@ def expected_fingerprint(labels: str = LABELS) -> str:
 def setup(request):
     worker = request.getfixturevalue("vllm_worker_module")
     start = request.getfixturevalue("start_gateway_module")
-    labels = orjson.dumps({"*": LABELS}).decode()
+    labels = orjson.dumps({worker.url: LABELS, "*": "unused"}).decode()
     gw = start([worker.url], env={"DETGATE_WORKER_LABELS": labels})
     return gw, worker
 
@@ -153,6 +154,14 @@ def test_vllm_error_with_integer_code(setup, variant):
     with gw.http() as http:
         latest = http.get("/v1/requests?limit=1").json()["data"][0]
     assert latest["status"] == "failed" and latest["choices"] == []
+    assert info.value.response.headers["x-detgate-record-id"] == latest["id"]
+
+
+def test_worker_labels_setting_accepts_a_string_or_a_map(monkeypatch):
+    monkeypatch.setenv("DETGATE_WORKER_LABELS", LABELS)
+    assert Settings().worker_labels == {"*": LABELS}
+    monkeypatch.setenv("DETGATE_WORKER_LABELS", '{"http://10.0.0.5:8000": "gpu=H200"}')
+    assert Settings().worker_labels == {"http://10.0.0.5:8000": "gpu=H200"}
 
 
 def test_replay_against_derived_fingerprint(setup):
