@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,16 @@ DASHBOARD = DEPLOY / "grafana" / "dashboards" / "detgate.json"
 DATASOURCES = DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml"
 COMPOSE_PLUGIN = Path("/usr/local/lib/docker/cli-plugins/docker-compose")
 PROFILES = ("gpu", "vllm")
+# Makes `import torch` / `import triton` fail in the process, as in the gateway's image.
+WITHOUT_TORCH = (
+    "import sys; sys.modules.update(torch=None, triton=None); "
+    "from detgate.cli import main; sys.exit(main())"
+)
+
+
+def detgate_without_torch(*args: str) -> list[str]:
+    """The `detgate` CLI in a process where torch and triton cannot be imported."""
+    return [sys.executable, "-c", WITHOUT_TORCH, *args]
 
 
 def compose_command() -> list[str]:

@@ -1,5 +1,6 @@
-"""A live stack: a real Prometheus server (Debian's package) scrapes a real gateway and a real
-built-in worker, with the shipped scrape config and alert rules. After traffic and replays,
+"""A live stack: a real Prometheus server (Debian's package) scrapes a real gateway (run as in its
+image: torch and triton cannot be imported) and a real built-in worker, with the shipped scrape
+config and alert rules. After traffic and replays,
 every query of every Grafana panel returns at least one series through Prometheus' HTTP API,
 and every alert rule evaluates without error."""
 
@@ -19,8 +20,8 @@ import pytest
 import redis
 import yaml
 
-from tests.deploy.conftest import PROMETHEUS_DIR, dashboard_targets
-from tests.support.procs import Proc, detgate_cmd, free_port
+from tests.deploy.conftest import PROMETHEUS_DIR, dashboard_targets, detgate_without_torch
+from tests.support.procs import Proc, free_port
 
 # What Grafana substitutes before it sends a query. The rate window spans the whole test.
 GRAFANA_VARIABLES = {"$__rate_interval": "5m", "$__range": "1h", "$__interval": "15s"}
@@ -67,7 +68,7 @@ def live_config(shipped: dict, targets: dict[str, list[str]]) -> dict:
 
 
 @pytest.fixture
-def gateway(start_worker, redis_url, tmp_path) -> Iterator[str]:
+def gateway(start_worker, redis_url, tmp_path) -> Iterator[tuple[str, str]]:
     worker = start_worker()
     port = free_port()
     prefix = f"detgate-test-deploy-{secrets.token_hex(4)}"
@@ -80,11 +81,15 @@ def gateway(start_worker, redis_url, tmp_path) -> Iterator[str]:
         "DETGATE_HEALTH_INTERVAL_S": "0.5",
     }
     proc = Proc(
-        detgate_cmd("gateway"), f"http://127.0.0.1:{port}", tmp_path / "gateway.log", env=env
+        detgate_without_torch("gateway"),
+        f"http://127.0.0.1:{port}",
+        tmp_path / "gateway.log",
+        env=env,
     )
     proc.start("/readyz", timeout=60)
     yield proc.url, worker.url
     proc.stop()
+    assert "halted" not in proc.log(), "the gateway tried to import torch or triton"
     client = redis.Redis.from_url(redis_url)
     try:
         keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
