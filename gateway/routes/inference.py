@@ -69,7 +69,12 @@ async def _whole(svc: Services, request: Request, tenant: str, parsed: ParsedReq
         await _record_failure(svc, tenant, parsed, record_id, exc)
         raise
     request.state.upstream_s = sent.upstream_s
-    answer = orjson.loads(sent.answer.body)
+    try:
+        answer = orjson.loads(sent.answer.body)
+    except orjson.JSONDecodeError:
+        exc = UpstreamFailed("the worker's answer is not JSON")
+        await _record_failure(svc, tenant, parsed, record_id, exc)
+        raise exc from None
     own = answer.get("system_fingerprint")
     svc.router.learn(sent.worker, own)
     fingerprint = own or sent.worker.fingerprint
@@ -141,7 +146,7 @@ async def _relay(svc: Services, request: Request, tenant: str, parsed: ParsedReq
                 break
         else:
             error = UpstreamFailed("the worker ended the stream without [DONE]")
-    except (Unreachable, TimedOut) as exc:
+    except (Unreachable, TimedOut, orjson.JSONDecodeError) as exc:
         svc.router.eject(worker, str(exc))
         error = UpstreamFailed(f"worker failed mid-stream: {exc}")
     except BaseException:
