@@ -61,9 +61,36 @@ CONFIGS_16BIT = {
 CONFIG_FP32 = TileConfig(64, 64, 4, 3, block_k=32)
 CONFIG_INTERPRETER = TileConfig(16, 32, 4, 1, block_k=32)
 
-# Measured on H200 (bench/gpu_kernels.py, Qwen3-8B projections): (N, K) -> ((M upper bound,
-# config name), ...) in increasing M; M above the last bound takes the last config.
-TUNED_16BIT: dict[tuple[int, int], tuple[tuple[int, str], ...]] = {}
+# Fastest config per M bucket, measured on H200 (bench/gpu_kernels.py --tune, Qwen3-8B
+# projections, bench/results/kernels-h200-*.json): (N, K) -> ((M upper bound, config name), ...)
+# in increasing M; M above the last bound takes the last config.
+TUNED_16BIT: dict[tuple[int, int], tuple[tuple[int, str], ...]] = {
+    (6144, 4096): (  # qkv_proj
+        (1, "m64n64k128"), (8, "m64n64k128"), (32, "m64n64k128"), (64, "m64n64k128"),
+        (128, "m64n128k128"), (256, "m64n256"), (512, "m128n256"), (1024, "m128n128w4"),
+        (2048, "m128n256"), (4096, "m128n256"), (8192, "m128n256"),
+    ),
+    (4096, 4096): (  # o_proj
+        (1, "m64n32k256"), (8, "m64n32k256"), (32, "m64n32k256"), (64, "m64n32k256"),
+        (128, "m64n64k128"), (256, "m64n128k128"), (512, "m128n128w4"), (1024, "m128n256"),
+        (2048, "m128n256"), (4096, "m128n256"), (8192, "m128n256"),
+    ),
+    (24576, 4096): (  # gate_up_proj
+        (1, "m64n64k128"), (8, "m64n256"), (32, "m64n256"), (64, "m64n256"), (128, "m64n128k128"),
+        (256, "m64n256"), (512, "m128n256"), (1024, "m128n256"), (2048, "m128n256"),
+        (4096, "m64n256"), (8192, "m64n256"),
+    ),
+    (4096, 12288): (  # down_proj
+        (1, "m64n32k256"), (8, "m64n32k256"), (32, "m64n32k256"), (64, "m64n32k256"),
+        (128, "m64n64k128"), (256, "m64n128k128"), (512, "m128n128w4"), (1024, "m128n256"),
+        (2048, "m128n256"), (4096, "m128n256"), (8192, "m128n256"),
+    ),
+    (151936, 4096): (  # lm_head
+        (1, "m64n128"), (8, "m64n128"), (32, "m64n128"), (64, "m64n128k128"), (128, "m128n128"),
+        (256, "m128n256"), (512, "m128n256"), (1024, "m128n256"), (2048, "m128n256"),
+        (4096, "m128n256"), (8192, "m128n256"),
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -94,10 +121,15 @@ def pick_config(m: int, n: int, k: int, dtype: torch.dtype, info: DeviceInfo) ->
     if tuned:
         return c[next((name for upper, name in tuned if m <= upper), tuned[-1][1])]
     if m <= 64:
-        # Memory-bound: the weights are read once; enough programs must stream them.
-        return c["m64n256"] if triton.cdiv(n, 256) >= info.num_sms // 2 else c["m64n64k128"]
+        # Memory-bound: the weights are read once. Enough programs to stream them, each moving
+        # many bytes per loop iteration (per-iteration latency, not bandwidth, limits a program).
+        if triton.cdiv(n, 256) >= info.num_sms // 2:
+            return c["m64n256"]
+        return c["m64n64k128"] if triton.cdiv(n, 64) >= info.num_sms * 2 // 3 else c["m64n32k256"]
+    if m <= 128:
+        return c["m64n64k128"]
     if m <= 256:
-        return c["m128n64"]
+        return c["m64n128k128"]
     if m <= 512:
         return c["m128n128w4"]
     return c["m128n256"]
