@@ -39,4 +39,7 @@ def register_bench(bench_sub) -> None:
     p = bench_sub.add_parser("engine", help="engine throughput, default vs batch_invariant")
     _add_engine_args(p)
     p.add_argument("--json", default=None, help="write the result JSON here")
+    p.add_argument("--requests", type=int, default=32, help="requests in the workload")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
+    p.add_argument("--repeats", type=int, default=4, help="runs of each mode, interleaved")
     p.set_defaults(func=lambda args: __import__("worker.bench", fromlist=["main"]).main(args))

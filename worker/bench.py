@@ -1,0 +1,142 @@
+"""`detgate bench engine`: the cost of batch invariance, both modes on one workload in one run.
+
+The engine is driven in process (no HTTP): every request of the workload is submitted at once
+and the engine steps until all are done, batching them continuously as the server would.
+Modes alternate (default, batch_invariant, batch_invariant, default, ...) so that drift in a
+shared machine's load hits both alike; the ratio is of the median wall times. Writes JSON with
+the device, versions and commit to bench/results/ (and to --json OUT).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import platform
+import random
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from worker.engine import Engine
+from worker.engine_config import EngineConfig
+from worker.sequence import SamplingParams
+
+MODES = ("default", "batch_invariant")
+
+
+def workload(num_requests: int, max_tokens: int, vocab: int, seed: int = 0):
+    """Requests of random prompt lengths (16-128 tokens), greedy, with chosen-token logprobs
+    (what the gateway asks for on every request), EOS ignored so every run does equal work."""
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=max_tokens, logprobs=0, ignore_eos=True)
+    return [([rng.randrange(3, vocab) for _ in range(rng.randrange(16, 129))], params)
+            for _ in range(num_requests)]
+
+
+def run_once(engine: Engine, requests) -> dict:
+    for i, (ids, params) in enumerate(requests):
+        engine.add(f"r{i}", ids, params)
+    steps = batch_seqs = generated = 0
+    start = time.perf_counter()
+    while engine.has_work():
+        _, stats = engine.step()
+        steps += 1
+        batch_seqs += stats.num_seqs
+        generated += stats.num_generated
+    wall = time.perf_counter() - start
+    prompt = sum(len(ids) for ids, _ in requests)
+    return {"wall_s": wall, "generated_tokens": generated, "prompt_tokens": prompt,
+            "steps": steps, "mean_batch_seqs": batch_seqs / steps,
+            "generated_tokens_per_s": generated / wall,
+            "total_tokens_per_s": (generated + prompt) / wall}
+
+
+def build(config: EngineConfig) -> Engine:
+    from worker.loader import load
+    from worker.make_model import resolve_model
+
+    loaded = load(resolve_model(config.model), dtype=config.dtype, device=config.device,
+                  mode=config.mode)
+    return Engine(config, loaded.model, loaded.config)
+
+
+def main(args) -> int:
+    base = EngineConfig.from_args(args)
+    engines = {mode: build(dataclasses.replace(base, mode=mode)) for mode in MODES}
+    vocab = engines["default"].runner.model_config.vocab_size
+    requests = workload(args.requests, args.max_tokens, vocab)
+    for engine in engines.values():  # warm up: first calls allocate and pick kernels
+        run_once(engine, workload(2, 4, vocab, seed=1))
+    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    for r in range(args.repeats):
+        for mode in MODES if r % 2 == 0 else reversed(MODES):
+            runs[mode].append(run_once(engines[mode], requests))
+            print(f"{mode:16s} {runs[mode][-1]['wall_s']:8.2f} s "
+                  f"{runs[mode][-1]['generated_tokens_per_s']:8.1f} generated tokens/s", flush=True)
+    summary = {mode: _summary(runs[mode]) for mode in MODES}
+    ratio = summary["batch_invariant"]["median_wall_s"] / summary["default"]["median_wall_s"]
+    report = {
+        "benchmark": "engine", "date": datetime.datetime.now(datetime.UTC).isoformat(),
+        "commit": _commit(), "device": _device(base), "versions": _versions(),
+        "config": {k: v for k, v in dataclasses.asdict(base).items() if k != "mode"},
+        "workload": {"requests": args.requests, "prompt_tokens": "16-128",
+                     "max_tokens": args.max_tokens, "sampling": "greedy, logprobs=0, ignore_eos",
+                     "repeats": args.repeats},
+        "summary": summary, "time_ratio_batch_invariant_over_default": ratio,
+        "goal": "batch_invariant <= 1.2x default time on CPU", "runs": runs,
+    }
+    data = json.dumps(report, indent=2)
+    out_dir = Path("bench/results")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+    (out_dir / f"engine-{base.device}-{base.dtype}-{stamp}.json").write_text(data)
+    if args.json:
+        Path(args.json).write_text(data)
+    for mode in MODES:
+        s = summary[mode]
+        print(f"{mode:16s} median {s['median_wall_s']:.2f} s, "
+              f"{s['generated_tokens_per_s']:.1f} generated tokens/s")
+    print(f"batch_invariant / default time: {ratio:.3f}x")
+    return 0
+
+
+def _summary(runs: list[dict]) -> dict:
+    wall = statistics.median(r["wall_s"] for r in runs)
+    return {"median_wall_s": wall, "min_wall_s": min(r["wall_s"] for r in runs),
+            "generated_tokens_per_s": runs[0]["generated_tokens"] / wall,
+            "total_tokens_per_s": (runs[0]["generated_tokens"] + runs[0]["prompt_tokens"]) / wall,
+            "mean_batch_seqs": runs[0]["mean_batch_seqs"]}
+
+
+def _device(config: EngineConfig) -> dict:
+    from worker.loader import device_name
+
+    return {"type": config.device, "name": device_name(torch.device(config.device)),
+            "torch_threads": torch.get_num_threads(), "machine": platform.machine()}
+
+
+def _versions() -> dict:
+    import numpy
+
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "triton": triton_version, "numpy": numpy.__version__}
+
+
+def _commit() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
