@@ -89,10 +89,19 @@ async def _throughput(url: str, concurrency: int) -> dict:
     return {"rps": counts["ok"] / elapsed, "ok": counts["ok"], "non_2xx": counts["other"]}
 
 
-async def _measure(url: str) -> dict:
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process: robust to other load on a shared machine."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _measure(url: str, server_pid: int) -> dict:
     result = {"c1": await _latency(url)}
+    cpu0 = _cpu_seconds(server_pid)
     for c in CONCURRENCY:
         result[f"c{c}"] = await _throughput(url, c)
+    served = sum(result[f"c{c}"]["ok"] for c in CONCURRENCY)
+    result["server_cpu_us_per_request"] = 1e6 * (_cpu_seconds(server_pid) - cpu0) / served
     return result
 
 
@@ -165,10 +174,10 @@ def main(args) -> int:
             "DETGATE_REDIS_URL": redis_url, "DETGATE_KEY_PREFIX": prefix,
             "DETGATE_API_KEYS": ""}))
         results = {}
-        for name in ("direct", "passthrough", "gateway"):
+        for i, name in enumerate(("direct", "passthrough", "gateway")):
             target = urls["upstream" if name == "direct" else name]
             print(f"measuring {name} ...", flush=True)
-            results[name] = asyncio.run(_measure(target + "/v1/chat/completions"))
+            results[name] = asyncio.run(_measure(target + "/v1/chat/completions", procs[i].pid))
         gateway_2xx = WARMUP + LATENCY_REQUESTS + sum(
             results["gateway"][f"c{c}"]["ok"] for c in CONCURRENCY)
     finally:
@@ -203,6 +212,10 @@ def _summary(results: dict, gateway_2xx: int, stored: int) -> dict:
         "gateway_2xx": gateway_2xx, "records_stored": stored,
         "records_match_2xx": gateway_2xx == stored,
     }
+    out["server_cpu_us_per_request"] = {k: results[k]["server_cpu_us_per_request"]
+                                        for k in results}
+    out["cpu_ratio_gateway_to_passthrough"] = (g["server_cpu_us_per_request"]
+                                               / p["server_cpu_us_per_request"])
     for c in CONCURRENCY:
         out[f"rps_c{c}"] = {k: results[k][f"c{c}"]["rps"] for k in results}
         out[f"rps_ratio_gateway_to_passthrough_c{c}"] = (
@@ -220,5 +233,9 @@ def _print(summary: dict) -> None:
         print(f"req/s at c={c}: direct {r['direct']:.0f}, passthrough {r['passthrough']:.0f}, "
               f"gateway {r['gateway']:.0f} (gateway/passthrough "
               f"{summary[f'rps_ratio_gateway_to_passthrough_c{c}']:.2f})")
+    cpu = summary["server_cpu_us_per_request"]
+    print(f"server CPU per request: upstream {cpu['direct']:.0f} us, passthrough "
+          f"{cpu['passthrough']:.0f} us, gateway {cpu['gateway']:.0f} us (gateway/passthrough "
+          f"{summary['cpu_ratio_gateway_to_passthrough']:.2f})")
     print(f"records stored {summary['records_stored']} / gateway 2xx {summary['gateway_2xx']}: "
           f"{'OK' if summary['records_match_2xx'] else 'MISMATCH'}")
