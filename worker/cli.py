@@ -19,6 +19,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-mb", type=int, help="KV cache size in MiB")
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: no CUDA graphs for decode steps")
 
 
 def register(sub) -> None:

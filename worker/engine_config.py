@@ -29,6 +29,8 @@ class EngineConfig:
     # None = the model's max_position_embeddings (capped by the KV cache's capacity).
     max_model_len: int | None = None
     max_n: int = 16
+    # CUDA only: run every step eagerly instead of replaying decode steps from CUDA graphs.
+    enforce_eager: bool = False
     max_top_logprobs: int = 20
 
     def __post_init__(self) -> None:

@@ -62,9 +62,17 @@ def load(
         model = build_model(config, ops)
     files = weight_files(path)
     load_weights(model, files)
-    parts = {
-        "weights_sha256": _files_sha256(files),
-        "config_sha256": hashlib.sha256((path / "config.json").read_bytes()).hexdigest(),
+    config_sha256 = hashlib.sha256((path / "config.json").read_bytes()).hexdigest()
+    parts = fingerprint_parts(_files_sha256(files), config_sha256, mode, dtype, device)
+    return LoadedModel(model, config, tokenizer, parts)
+
+
+def fingerprint_parts(weights_sha256: str, config_sha256: str, mode: str, dtype: torch.dtype,
+                      device: torch.device) -> dict[str, str]:
+    """Everything besides the weights and config that can change the numbers."""
+    return {
+        "weights_sha256": weights_sha256,
+        "config_sha256": config_sha256,
         "mode": mode,
         "dtype": str(dtype).removeprefix("torch."),
         "device": device_name(device),
@@ -74,7 +82,6 @@ def load(
         # CPU matmuls may split work by thread count; record it with the rest.
         "torch_threads": str(torch.get_num_threads()),
     }
-    return LoadedModel(model, config, tokenizer, parts)
 
 
 def weight_files(path: Path) -> list[Path]:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from worker.attention_metadata import AttentionMetadata
+from worker.cuda_graphs import DecodeGraphs
 from worker.engine_config import CUDA_KV_MEMORY_FRACTION, DEFAULT_CPU_KV_MB, EngineConfig
 from worker.ops import make_ops
 from worker.sampler import Sampler
@@ -39,6 +40,10 @@ class InputBuffers:
                  "block_tables": max_seqs * max_blocks}
         pin = device.type == "cuda"
         self.host: dict[str, torch.Tensor] = {}
+        # The last host-to-device copy out of each staging buffer: the next step must not
+        # overwrite a buffer whose copy the GPU has not yet made (steps that sample end in a
+        # sync, but a prefill chunk that neither samples nor scores does not).
+        self.copied: dict[str, torch.cuda.Event] = {}
         self.dev: dict[str, torch.Tensor] = {}
         int32 = ("query_start_loc", "seq_lens", "block_tables")
         for name, size in sizes.items():
@@ -49,10 +54,13 @@ class InputBuffers:
     def put(self, name: str, values: np.ndarray) -> torch.Tensor:
         n = values.size
         host = self.host[name][:n]
+        if name in self.copied:
+            self.copied[name].synchronize()
         host.numpy()[:] = values.reshape(-1)
         dev = self.dev[name][:n]
-        if dev is not host:
+        if self.dev[name] is not self.host[name]:
             dev.copy_(host, non_blocking=True)
+            self.copied.setdefault(name, torch.cuda.Event()).record()
         return dev.view(values.shape)
 
 
@@ -79,6 +87,11 @@ class ModelRunner:
                                  model_config.max_position_embeddings,
                                  self.num_kv_blocks * self.block_size)
         self.kv_caches = self._allocate_kv_cache()
+        # Decode steps replay CUDA graphs; their padding rows write into the padding block.
+        self.graphs = DecodeGraphs(
+            model, self.kv_caches, max_seqs=config.max_num_seqs, block_size=self.block_size,
+            max_model_len=self.max_model_len, padding_block=self.num_kv_blocks,
+        ) if self.device.type == "cuda" and not config.enforce_eager else None
         self.inputs = InputBuffers(self.device, config.max_num_batched_tokens, config.max_num_seqs,
                                    -(-self.max_model_len // self.block_size))
         self.sampler = Sampler(make_ops(config.mode).log_softmax, self.device)
@@ -87,7 +100,7 @@ class ModelRunner:
     def run(self, batch: Batch) -> StepResult:
         input_ids, positions, meta = self._prepare_inputs(batch)
         rows = self._plan_rows(batch)
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)  # [T, H]
+        hidden = self._forward(input_ids, positions, meta)  # [T, H]
         if not rows.logits_indices:  # only prefill chunks that neither sample nor score
             return StepResult([], [])
         logits_indices = self.inputs.put("logits_indices", np.array(rows.logits_indices, np.int64))
@@ -104,6 +117,14 @@ class ModelRunner:
         host = _to_host(sampled, lp.chosen, lp.top_values, lp.top_ids,
                         *([lp.rank] if lp.rank is not None else []))
         return self._unpack(sample_seqs, rows, [h.tolist() for h in host])
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        if self.graphs is not None and meta.max_query_len == 1:
+            hidden = self.graphs.forward(input_ids, positions, meta)
+            if hidden is not None:
+                return hidden
+        return self.model(input_ids, positions, meta, self.kv_caches)
 
     # -- inputs ----------------------------------------------------------------------------
 
@@ -196,8 +217,10 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         mc = self.model_config
         # One allocation; layer l's (k_cache, v_cache) are views [num_blocks, block_size, Hkv, D].
-        cache = torch.zeros(mc.num_layers, 2, self.num_kv_blocks, self.block_size, mc.num_kv_heads,
-                            mc.head_dim, dtype=mc.dtype, device=self.device)
+        # Block num_kv_blocks is the padding block: the block manager never hands it out; padded
+        # decode rows (CUDA graphs) write and read there.
+        cache = torch.zeros(mc.num_layers, 2, self.num_kv_blocks + 1, self.block_size,
+                            mc.num_kv_heads, mc.head_dim, dtype=mc.dtype, device=self.device)
         return [(cache[i, 0], cache[i, 1]) for i in range(mc.num_layers)]
 
 

@@ -66,9 +66,8 @@ class BatchInvariantOps:
     mode = "batch_invariant"
 
     def __init__(self) -> None:
-        from kernels.attention import paged_attention, store_kv
-
         import kernels
+        from kernels.attention import paged_attention, store_kv
 
         self._kernels = kernels
         self._store_kv = store_kv
@@ -129,11 +128,11 @@ def _store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
+    # Every slot must be >= 0: the model runner gives padding rows a slot in its padding block
+    # rather than a negative one, so no boolean mask (a host sync, uncapturable) is needed.
     _, _, hkv, d = k_cache.shape
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
-    k_cache.view(-1, hkv, d).index_copy_(0, slots, k[valid].to(k_cache.dtype))
-    v_cache.view(-1, hkv, d).index_copy_(0, slots, v[valid].to(v_cache.dtype))
+    k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def _padded_sdpa(
@@ -171,4 +170,7 @@ def _padded_sdpa(
     out = F.scaled_dot_product_attention(
         queries, keys, values, attn_mask=mask[:, None], scale=scale, enable_gqa=True
     )
-    return out.transpose(1, 2)[q_valid]  # [T, Hq, D]: row-major order over (B, j) = token order
+    # Back to token order by index, not by boolean mask: no host sync (CUDA graphs need none).
+    t = torch.arange(q.shape[0], device=device)
+    seq_of = torch.searchsorted(qsl[1:], t, right=True)  # [T]
+    return out.transpose(1, 2)[seq_of, t - qsl[seq_of]]  # [T, Hq, D]

@@ -1,0 +1,368 @@
+"""The engine experiment of issue 5, in one process: determinism, cost and the trainer check,
+both numeric modes side by side, the Engine driven in process (no HTTP server needed).
+
+    PYTHONPATH=. python -m worker.bench_gpu --out OUT_DIR          # CUDA, qwen3-8b-shape, bf16
+    PYTHONPATH=. python -m worker.bench_gpu --device cpu --model tiny --dtype float32 --small \\
+        --out OUT_DIR                                               # the same code on a CPU
+
+1. Determinism: N identical temperature-0 requests among random concurrent traffic (arrivals
+   vary step by step): unique completions, the most common's count, first divergences, and
+   logprobs compared bit for bit.
+2. Cost: the source workload (1000 requests, 90-110 output tokens, EOS ignored), every request
+   submitted at once, in each mode; wall time, tokens/s and the ratio. With --repeats 2 the
+   second pass runs the modes in the other order.
+3. Trainer check: teacher-forced scoring (one full forward, no KV reuse) of sampled sequences
+   against their sampled logprobs, bit for bit.
+A model name that is a preset (tiny, qwen3-8b-shape) is built on the device with random
+weights from --seed (worker/random_model.py); a folder is loaded as the worker loads it. Phases
+that would start after --deadline seconds are skipped; each phase's failure is recorded and the
+next one still runs. Writes OUT_DIR/engine-gpu.json after every phase; prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from worker import bench_workloads as wl
+from worker.engine import Engine
+from worker.engine_config import EngineConfig
+from worker.loader import load
+from worker.make_model import PRESETS
+from worker.random_model import load_random
+
+MODES = ("default", "batch_invariant")
+T0 = time.time()
+
+
+def log(*parts) -> None:
+    print(f"[{time.time() - T0:6.1f}s]", *parts, flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m worker.bench_gpu", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="folder for engine-gpu.json")
+    p.add_argument("--model", default="qwen3-8b-shape", help="a preset (random weights) or folder")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--small", action="store_true", help="a few requests (CPU smoke run)")
+    p.add_argument("--needles", type=int, default=200)
+    p.add_argument("--fillers", type=int, default=300)
+    p.add_argument("--needle-tokens", type=int, default=128)
+    p.add_argument("--requests", type=int, default=1000)
+    p.add_argument("--repeats", type=int, default=1, help="cost passes (alternating order)")
+    p.add_argument("--score-seqs", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-mb", type=int, default=None, help="per engine (CUDA: 24 GiB)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--deadline", type=float, default=400.0, help="seconds; later phases skip")
+    return p
+
+
+class Experiment:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.result: dict = {"environment": environment(args.device), "args": vars(args)}
+        self.engines: dict[str, Engine] = {}
+        self.det_reqs: list[wl.Request] = []
+        self.det_out: dict[str, dict[str, wl.Completion]] = {}
+
+    def phase(self, name: str, fn) -> None:
+        if time.time() - T0 > self.args.deadline:
+            self.result[name] = {"skipped": f"past the {self.args.deadline:.0f}s deadline"}
+            log(f"{name}: skipped (deadline)")
+            return
+        start = time.time()
+        log(f"{name} ...")
+        try:
+            self.result[name] = fn()
+        except Exception:  # recorded; the next phase still runs
+            self.result[name] = {"error": traceback.format_exc()}
+            log(f"{name} FAILED\n{traceback.format_exc()}")
+        self.result.setdefault("phase_seconds", {})[name] = round(time.time() - start, 1)
+        self.save()
+        log(f"{name} done in {time.time() - start:.1f}s")
+
+    def save(self) -> None:
+        (self.out / "engine-gpu.json").write_text(json.dumps(self.result, indent=1, default=str))
+
+    # -- phases ----------------------------------------------------------------------------
+
+    def build(self) -> dict:
+        a = self.args
+        info = {}
+        for mode in MODES:
+            start = time.time()
+            if a.model in PRESETS:
+                loaded = load_random(a.model, self.out / f"{a.model}-config", seed=a.seed,
+                                     device=a.device, mode=mode, dtype=a.dtype)
+            else:
+                loaded = load(a.model, dtype=a.dtype, device=a.device, mode=mode)
+            kv_mb = a.kv_cache_mb or (24 * 1024 if a.device == "cuda" else None)
+            config = EngineConfig(
+                model=a.model, mode=mode, device=a.device, dtype=a.dtype,
+                max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                block_size=a.block_size, kv_cache_mb=kv_mb, enforce_eager=a.enforce_eager)
+            engine = Engine(config, loaded.model, loaded.config)
+            self.engines[mode] = engine
+            self.vocab_size = loaded.config.vocab_size
+            info[mode] = {"seconds": round(time.time() - start, 1),
+                          "kv_blocks": engine.runner.num_kv_blocks,
+                          "cuda_graphs": engine.runner.graphs is not None,
+                          "fingerprint_parts": loaded.fingerprint_parts}
+        info["parameters"] = sum(p.numel() for p in loaded.model.parameters())
+        return info
+
+    def warmup(self) -> dict:
+        """Compile kernels and capture graphs before anything is timed."""
+        info = {}
+        reqs = wl.cost_workload(requests=48, prompt=(4, 300), output=(2, 24),
+                                vocab_size=self.vocab_size, seed=99)
+        for mode, engine in self.engines.items():
+            start = time.time()
+            graphs = engine.runner.graphs
+            captured = graphs.capture_all(1024) if graphs is not None else 0
+            _, stats = wl.run(engine, reqs, arrival_seed=5)
+            info[mode] = {"graphs": captured, "graph_failed": bool(graphs and graphs.failed),
+                          "seconds": round(time.time() - start, 1), "steps": stats.steps}
+        return info
+
+    def determinism(self) -> dict:
+        a = self.args
+        self.det_reqs = wl.determinism_workload(
+            needles=a.needles, fillers=a.fillers, prompt_len=100 if not a.small else 40,
+            needle_tokens=a.needle_tokens, filler_prompt=(4, 400 if not a.small else 60),
+            filler_tokens=(1, 160 if not a.small else 20), vocab_size=self.vocab_size,
+            seed=a.seed + 1)
+        info = {}
+        for mode, engine in self.engines.items():
+            out, stats = wl.run(engine, self.det_reqs, arrival_seed=a.seed + 2)
+            self.det_out[mode] = out
+            needles = [out[r.request_id] for r in self.det_reqs if r.request_id.startswith("n")]
+            info[mode] = {**wl.determinism_measures(needles), "run": stats.__dict__}
+            log(mode, {k: v for k, v in info[mode].items() if k != "first_divergence"})
+        return info
+
+    def cost(self) -> dict:
+        a = self.args
+        reqs = wl.cost_workload(requests=a.requests, prompt=(32, 128) if not a.small else (8, 40),
+                                output=(90, 110) if not a.small else (9, 11),
+                                vocab_size=self.vocab_size, seed=a.seed + 3)
+        passes = []
+        for i in range(a.repeats):
+            order = MODES if i % 2 == 0 else MODES[::-1]
+            row = {}
+            for mode in order:
+                _, stats = wl.run(self.engines[mode], reqs, arrival_seed=None)
+                row[mode] = {**stats.__dict__,
+                             "tokens_per_s": stats.generated_tokens / stats.seconds}
+                log(mode, row[mode])
+            row["ratio"] = row["batch_invariant"]["seconds"] / row["default"]["seconds"]
+            passes.append(row)
+        ratios = [p["ratio"] for p in passes]
+        return {"requests": len(reqs), "output_tokens": sum(r.params.max_tokens for r in reqs),
+                "passes": passes, "ratio_mean": statistics.mean(ratios)}
+
+    def score(self) -> dict:
+        """Sampled needles and fillers, scored teacher-forced, all in one batch."""
+        info = {}
+        for mode, engine in self.engines.items():
+            sampled = self.det_out[mode]
+            chosen = [r for r in self.det_reqs if sampled[r.request_id].token_ids]
+            pairs = wl.score_requests(sampled, chosen, self.args.score_seqs)
+            scored, _ = wl.run(engine, [p for p, _ in pairs], arrival_seed=None)
+            info[mode] = wl.compare_scores(
+                [sampled[r.request_id] for r in chosen[:len(pairs)]],
+                [scored[p.request_id] for p, _ in pairs], [n for _, n in pairs])
+            log(mode, info[mode])
+        return info
+
+    def run(self) -> None:
+        if self.args.device == "cuda":
+            self.phase("kernel_check", kernel_check)
+        self.phase("build", self.build)
+        if len(self.engines) < len(MODES):
+            return
+        self.phase("warmup", self.warmup)
+        self.phase("determinism", self.determinism)
+        if self.det_out:
+            self.phase("score", self.score)
+        self.phase("cost", self.cost)
+        self.result["total_seconds"] = round(time.time() - T0, 1)
+        self.save()
+
+
+def kernel_check() -> dict:
+    """Each CUDA kernel on a small input: ran, close to torch, rows invariant. A failure here
+    names the kernel behind a failed batch_invariant phase."""
+    import kernels
+    from kernels.attention import paged_attention, store_kv
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", generator=g).to(torch.bfloat16)
+
+    x, w, r, norm_w = randn(37, 4096), randn(1024, 4096), randn(37, 4096), randn(4096)
+
+    def attention():
+        # 3 sequences of 70, 1 and 33 tokens, block 16, the whole prompt as queries.
+        lens, hq, hkv, d, bs = [70, 1, 33], 32, 8, 128, 16
+        blocks = [-(-n // bs) for n in lens]
+        kc = torch.zeros(sum(blocks) + 1, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
+        vc = torch.zeros_like(kc)
+        q, k, v = randn(sum(lens), hq, d), randn(sum(lens), hkv, d), randn(sum(lens), hkv, d)
+        tables = torch.full((3, max(blocks)), -1, dtype=torch.int32, device="cuda")
+        slots, first = [], 0
+        for i, n in enumerate(lens):
+            tables[i, :blocks[i]] = torch.arange(first, first + blocks[i])
+            slots += [(first + p // bs) * bs + p % bs for p in range(n)]
+            first += blocks[i]
+        qsl = torch.tensor([0, 70, 71, 104], dtype=torch.int32, device="cuda")
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        store_kv(k, v, kc, vc, torch.tensor(slots, device="cuda"))
+        out = paged_attention(q, kc, vc, tables, qsl, seq_lens, d**-0.5)
+        ref = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+            q[s:e].transpose(0, 1)[None], k[s:e].transpose(0, 1)[None],
+            v[s:e].transpose(0, 1)[None], is_causal=True, enable_gqa=True, scale=d**-0.5
+        )[0].transpose(0, 1) for s, e in ((0, 70), (70, 71), (71, 104))])
+        alone = paged_attention(q[70:71], kc, vc, tables[1:2], qsl[:2] * 0 + torch.tensor(
+            [0, 1], dtype=torch.int32, device="cuda"), seq_lens[1:2], d**-0.5)
+        return out, ref, torch.equal(alone, out[70:71])
+
+    checks = {
+        "matmul": lambda: (kernels.matmul(x, w.t()), x.float() @ w.float().t(),
+                           torch.equal(kernels.matmul(x[:5], w.t()), kernels.matmul(x, w.t())[:5])),
+        "rms_norm": lambda: (kernels.rms_norm(x, norm_w, 1e-6),
+                             torch.nn.functional.rms_norm(x.float(), (4096,), norm_w.float(), 1e-6),
+                             torch.equal(kernels.rms_norm(x[:3], norm_w, 1e-6),
+                                         kernels.rms_norm(x, norm_w, 1e-6)[:3])),
+        "add_rms_norm": lambda: (kernels.add_rms_norm(x, r, norm_w, 1e-6)[0],
+                                 torch.nn.functional.rms_norm((x + r).float(), (4096,),
+                                                              norm_w.float(), 1e-6),
+                                 torch.equal(kernels.add_rms_norm(x[:3], r[:3], norm_w, 1e-6)[0],
+                                             kernels.add_rms_norm(x, r, norm_w, 1e-6)[0][:3])),
+        "log_softmax": lambda: (kernels.log_softmax(x.float() * 3), torch.log_softmax(
+                                    x.float() * 3, -1), torch.equal(
+                                    kernels.log_softmax(x[:2].float() * 3),
+                                    kernels.log_softmax(x.float() * 3)[:2])),
+        "attention": attention,
+    }
+    result = {}
+    for name, fn in checks.items():
+        try:
+            ours, ref, invariant = fn()
+            torch.cuda.synchronize()
+            err = ((ours.float() - ref.float()).norm() / ref.float().norm()).item()
+            result[name] = {"ok": err < 2e-2 and invariant, "rel_err": err,
+                            "rows_invariant": invariant}
+        except Exception as exc:  # the kernel does not run here: say which, keep going
+            result[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+        log("kernel", name, result[name])
+    return result
+
+
+def environment(device: str) -> dict:
+    env = {"python": platform.python_version(), "torch": torch.__version__,
+           "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+           "git_commit": _git_commit()}
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        env.update(device=props.name, cuda=torch.version.cuda, sms=props.multi_processor_count,
+                   memory_gib=round(props.total_memory / 2**30, 1))
+    else:
+        env.update(device=f"cpu ({torch.backends.cpu.get_cpu_capability()})",
+                   threads=torch.get_num_threads())
+    return env
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True, cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):  # a copy of the tree without .git
+        return os.environ.get("DETGATE_GIT_COMMIT")
+
+
+def summary_table(result: dict) -> str:
+    """The markdown table of the README."""
+    det, cost, score = (result.get(k, {}) for k in ("determinism", "cost", "score"))
+    lines = ["| | default | batch_invariant |", "|---|---|---|"]
+
+    def row(label, fn):
+        cells = []
+        for mode in MODES:
+            try:
+                cells.append(fn(mode))
+            except (KeyError, TypeError, IndexError, ZeroDivisionError):
+                cells.append("-")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+
+    row("unique completions (token ids)",
+        lambda m: f"{det[m]['unique_completions']} of {det[m]['n']}")
+    row("unique completions (ids + logprob bits)",
+        lambda m: str(det[m]["unique_completions_with_logprob_bits"]))
+    row("most common (exact)", lambda m: str(det[m]["most_common_exact_count"]))
+    row("first divergence (min / median)", lambda m: (
+        f"{det[m]['first_divergence'][0]} / {statistics.median(det[m]['first_divergence'])}"
+        if det[m]["first_divergence"] else "none"))
+    row("max abs logprob diff before divergence", lambda m: f"{det[m]['max_abs_logprob_diff']:.3g}")
+    row("batch sizes seen by the needles", lambda m: "{min}-{max}".format(
+        **det[m]["batch_sizes_seen"]))
+    passes = cost.get("passes", [])
+    row(f"cost: {cost.get('requests', '-')} requests, wall s (pass 1)",
+        lambda m: f"{passes[0][m]['seconds']:.2f}")
+    row("cost: output tokens/s (pass 1)", lambda m: f"{passes[0][m]['tokens_per_s']:.0f}")
+    row("score == sampled logprobs (bitwise positions)",
+        lambda m: f"{score[m]['bitwise_equal']} / {score[m]['positions']}")
+    if passes:
+        ratios = ", ".join(f"{p['ratio']:.3f}" for p in passes)
+        lines.append(f"\nbatch_invariant / default wall time: {ratios} (mean "
+                     f"{cost['ratio_mean']:.3f})")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.small:
+        args.needles, args.fillers, args.needle_tokens = 8, 8, 16
+        args.requests, args.score_seqs = 24, 6
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: run with --device cpu")
+        return 2
+    experiment = Experiment(args)
+    experiment.run()
+    kernels_failed = [k for k, v in experiment.result.get("kernel_check", {}).items()
+                      if isinstance(v, dict) and not v.get("ok", True)]
+    print()
+    print(summary_table(experiment.result))
+    print("kernels failing the check:", ", ".join(kernels_failed) or "none")
+    print("phase seconds:", experiment.result.get("phase_seconds"))
+    del experiment
+    gc.collect()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(build_parser().parse_args()))

@@ -1,0 +1,180 @@
+"""Workloads and measures of the engine experiment (worker/bench_gpu.py), driven in process.
+
+A workload is a list of requests (token ids + sampling params) and an arrival rule: how many
+queued requests join the engine before each step. Varying arrivals make every request of
+interest run in batches of changing size and composition, as behind a busy server.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import time
+from dataclasses import dataclass, field
+
+from worker.engine import Engine
+from worker.sequence import SamplingParams
+
+# Requests joining before a step, drawn uniformly: bursts and lulls around the needles.
+ARRIVALS = (0, 0, 0, 1, 1, 2, 4, 8, 16, 32)
+
+
+@dataclass
+class Request:
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class Completion:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    batch_sizes: list[int] = field(default_factory=list)  # sequences in each step it ran in
+    prompt_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class RunStats:
+    seconds: float
+    steps: int
+    generated_tokens: int
+    prompt_tokens: int
+    decode_only_steps: int
+    mean_batch_size: float
+    max_batch_size: int
+
+
+def random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]:
+    # Ids well inside the vocabulary, away from the special tokens at the start.
+    return [rng.randrange(100, min(vocab_size, 100_000)) for _ in range(length)]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True)
+
+
+def determinism_workload(*, needles: int, fillers: int, prompt_len: int, needle_tokens: int,
+                         filler_prompt: tuple[int, int], filler_tokens: tuple[int, int],
+                         vocab_size: int, seed: int) -> list[Request]:
+    """`needles` copies of one prompt at temperature 0 among `fillers` random requests of
+    random lengths, in a seeded random order."""
+    rng = random.Random(seed)
+    needle = random_prompt(rng, prompt_len, vocab_size)
+    reqs = [Request(f"needle-{i}", list(needle), greedy(needle_tokens)) for i in range(needles)]
+    for i in range(fillers):
+        prompt = random_prompt(rng, rng.randint(*filler_prompt), vocab_size)
+        reqs.append(Request(f"filler-{i}", prompt, greedy(rng.randint(*filler_tokens))))
+    rng.shuffle(reqs)
+    return reqs
+
+
+def cost_workload(*, requests: int, prompt: tuple[int, int], output: tuple[int, int],
+                  vocab_size: int, seed: int) -> list[Request]:
+    """The source's cost workload: output lengths drawn in [90, 110] (EOS ignored)."""
+    rng = random.Random(seed)
+    return [Request(f"req-{i}", random_prompt(rng, rng.randint(*prompt), vocab_size),
+                    greedy(rng.randint(*output))) for i in range(requests)]
+
+
+def run(engine: Engine, reqs: list[Request], arrival_seed: int | None
+        ) -> tuple[dict[str, Completion], RunStats]:
+    """Run every request to completion. arrival_seed None: all join at once; else a seeded
+    number (ARRIVALS) joins before each step."""
+    rng = random.Random(arrival_seed)
+    queue = collections.deque(reqs)
+    out = {r.request_id: Completion() for r in reqs}
+    steps = decode_only = seqs_total = max_seqs = generated = 0
+    start = time.perf_counter()
+    while queue or engine.has_work():
+        joining = len(queue) if arrival_seed is None else rng.choice(ARRIVALS)
+        if not engine.has_work():
+            joining = max(joining, 1)
+        for _ in range(min(joining, len(queue))):
+            r = queue.popleft()
+            engine.add(r.request_id, r.token_ids, r.params)
+        outputs, stats = engine.step()
+        steps += 1
+        decode_only += stats.num_tokens == stats.num_seqs
+        seqs_total += stats.num_seqs
+        max_seqs = max(max_seqs, stats.num_seqs)
+        generated += stats.num_generated
+        for o in outputs:
+            c = out[o.request_id]
+            c.token_ids += [t.token_id for t in o.new_tokens]
+            c.logprobs += [t.logprob for t in o.new_tokens]
+            c.batch_sizes.append(stats.num_seqs)
+            if o.prompt_logprobs is not None:
+                c.prompt_logprobs = [t.logprob for t in o.prompt_logprobs]
+    seconds = time.perf_counter() - start
+    prompt_tokens = sum(len(r.token_ids) for r in reqs)
+    return out, RunStats(seconds, steps, generated, prompt_tokens, decode_only,
+                         seqs_total / max(steps, 1), max_seqs)
+
+
+def determinism_measures(completions: list[Completion]) -> dict:
+    """Unique completions (token ids; and ids + logprob bits), the most common's count, each
+    completion's first divergence from it, and how many match it bit for bit."""
+    ids = collections.Counter(tuple(c.token_ids) for c in completions)
+    exact = collections.Counter((tuple(c.token_ids), tuple(c.logprobs)) for c in completions)
+    (top_ids, top_lps), top_count = exact.most_common(1)[0]
+    divergences, max_diff, bitwise = [], 0.0, 0
+    for c in completions:
+        first = first_divergence(c.token_ids, list(top_ids))
+        if first is not None:
+            divergences.append(first)
+        n = len(c.logprobs) if first is None else first
+        diffs = [abs(a - b) for a, b in zip(c.logprobs[:n], top_lps[:n], strict=True)]
+        max_diff = max([max_diff, *diffs])
+        bitwise += (tuple(c.token_ids), tuple(c.logprobs)) == (top_ids, top_lps)
+    sizes = sorted({b for c in completions for b in c.batch_sizes})
+    return {
+        "n": len(completions),
+        "unique_completions": len(ids),
+        "unique_completions_with_logprob_bits": len(exact),
+        "most_common_count": ids.most_common(1)[0][1],
+        "bitwise_equal_to_most_common": bitwise,
+        "most_common_exact_count": top_count,
+        "first_divergence": sorted(divergences),
+        "max_abs_logprob_diff": max_diff,
+        "tokens_per_completion": len(top_ids),
+        "batch_sizes_seen": {"distinct": len(sizes), "min": sizes[0], "max": sizes[-1]},
+    }
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (a length difference counts at the shorter length);
+    None when identical."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def score_requests(completions: dict[str, Completion], reqs: list[Request],
+                   count: int) -> list[tuple[Request, int]]:
+    """Teacher-forced scoring requests (no KV reuse, one pass) for the first `count` requests'
+    prompt + completion: (request, prompt length)."""
+    params = SamplingParams(max_tokens=0, prompt_logprobs=0, single_pass=True)
+    out = []
+    for r in reqs[:count]:
+        c = completions[r.request_id]
+        out.append((Request(f"score-{r.request_id}", r.token_ids + c.token_ids, params),
+                    len(r.token_ids)))
+    return out
+
+
+def compare_scores(sampled: list[Completion], scored: list[Completion],
+                   prompt_lens: list[int]) -> dict:
+    """Sampled logprobs against the teacher-forced ones of the same tokens, bit for bit.
+    prompt_logprobs[i] scores token i + 1, so completion token j is entry prompt_len - 1 + j."""
+    positions = equal = 0
+    max_diff = 0.0
+    for s, sc, p in zip(sampled, scored, prompt_lens, strict=True):
+        trainer = sc.prompt_logprobs[p - 1:]
+        positions += len(s.logprobs)
+        equal += sum(a == b for a, b in zip(s.logprobs, trainer, strict=True))
+        max_diff = max([max_diff, *(abs(a - b) for a, b in zip(s.logprobs, trainer,
+                                                                strict=True))])
+    return {"sequences": len(sampled), "positions": positions, "bitwise_equal": equal,
+            "all_equal": equal == positions, "max_abs_diff": max_diff}
