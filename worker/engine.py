@@ -41,9 +41,6 @@ class StepStats:
     num_tokens: int
     num_generated: int
     num_preempted: int
-    num_waiting: int
-    num_running: int
-    num_free_blocks: int
     seconds: float
 
 
@@ -128,9 +125,7 @@ class Engine:
     def _stats(self, batch: Batch, result: StepResult, seconds: float) -> StepStats:
         return StepStats(num_seqs=len(batch), num_tokens=batch.num_tokens,
                          num_generated=len(result.sampled), num_preempted=batch.num_preempted,
-                         num_waiting=len(self.scheduler.waiting),
-                         num_running=len(self.scheduler.running),
-                         num_free_blocks=self.block_manager.num_free_blocks, seconds=seconds)
+                         seconds=seconds)
 
 
 class AsyncEngine:

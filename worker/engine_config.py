@@ -31,7 +31,6 @@ class EngineConfig:
     max_n: int = 16
     # CUDA only: run every step eagerly instead of replaying decode steps from CUDA graphs.
     enforce_eager: bool = False
-    max_top_logprobs: int = 20
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
