@@ -239,49 +239,44 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     _check(a, b, bias)
     m, k = a.shape
     n = b.shape[1]
-    out = torch.empty((m, n), dtype=a.dtype, device=a.device)
-    if m == 0 or n == 0:
-        return out
-    if k == 0:
-        return out.copy_(bias.expand(m, n)) if bias is not None else out.zero_()
+    if m == 0 or n == 0 or k == 0:
+        out = torch.zeros((m, n), dtype=a.dtype, device=a.device)
+        return out + bias if bias is not None else out
     if a.stride(1) != 1 or (m > 1 and a.stride(0) < k):
         a = a.contiguous()
     a_stride0 = a.stride(0) if m > 1 else k
     bt, b_is_nk = _b_layout(b)
     info = device_info(a.device.index if a.device.type == "cuda" else None)
     cfg = config or pick_config(m, n, k, a.dtype, info)
-    block_k = cfg.block_k
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
-    bias_arg = bias if bias is not None else out
-    b_strides = (bt.stride(0),)
     use_tma = (info.capability >= (9, 0) or info.capability == (0, 0)) and \
-        _tma_ok(a, (a_stride0,)) and _tma_ok(bt, b_strides) and _tma_ok(out, (n,))
+        _tma_ok(a, (a_stride0,)) and _tma_ok(bt, (bt.stride(0),)) and \
+        (n * a.element_size()) % 16 == 0
+    # Decode: TMA fills rows past M with zeros far slower than it streams the weights, so it
+    # gets a whole tile of rows, zero-padded, instead. Each row still reduces alone.
+    rows = cfg.block_m if use_tma and m < cfg.block_m else m
+    if rows != m:
+        a, a_stride0 = F.pad(a, (0, 0, 0, rows - m)), k
+    c_full = torch.empty((rows, n), dtype=a.dtype, device=a.device)
+    bias_arg = bias if bias is not None else c_full
     if use_tma:
-        rows, c_full = m, out
-        if m < cfg.block_m:
-            # Decode: TMA fills rows past M with zeros far slower than it streams the weights,
-            # so hand it a whole tile of rows, zero-padded. Each row still reduces alone.
-            rows, a_stride0 = cfg.block_m, k
-            a = F.pad(a, (0, 0, 0, rows - m))
-            c_full = torch.empty((rows, n), dtype=out.dtype, device=out.device)
-            out = c_full[:m]
-        a_desc = TensorDescriptor(a, [rows, k], [a_stride0, 1], [cfg.block_m, block_k])
-        b_block = [cfg.block_n, block_k] if b_is_nk else [block_k, cfg.block_n]
+        a_desc = TensorDescriptor(a, [rows, k], [a_stride0, 1], [cfg.block_m, cfg.block_k])
+        b_block = [cfg.block_n, cfg.block_k] if b_is_nk else [cfg.block_k, cfg.block_n]
         b_desc = TensorDescriptor(bt, list(bt.shape), [bt.stride(0), 1], b_block)
         c_desc = TensorDescriptor(c_full, [rows, n], [n, 1], [cfg.block_m, cfg.block_n])
         num_tiles = triton.cdiv(rows, cfg.block_m) * triton.cdiv(n, cfg.block_n)
         grid = min(num_tiles, info.num_sms * cfg.ctas_per_sm)
         _matmul_tma_kernel[(grid,)](
             a_desc, b_desc, c_desc, bias_arg, rows, n, k, num_tiles, grid,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             B_IS_NK=b_is_nk, HAS_BIAS=bias is not None, PRECISION=precision,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
         stride_bk, stride_bn = (bt.stride(1), bt.stride(0)) if b_is_nk else bt.stride()
         grid = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
         _matmul_ptr_kernel[(grid,)](
-            a, bt, out, bias_arg, m, n, k, a_stride0, 1, stride_bk, stride_bn, n, 1,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
+            a, bt, c_full, bias_arg, m, n, k, a_stride0, 1, stride_bk, stride_bn, n, 1,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             HAS_BIAS=bias is not None, PRECISION=precision,
             num_warps=cfg.num_warps, num_stages=min(cfg.num_stages, 4))
-    return out
+    return c_full[:m] if rows != m else c_full
