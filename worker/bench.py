@@ -65,6 +65,10 @@ def build(config: EngineConfig) -> Engine:
 
 
 def main(args) -> int:
+    if args.device == "cuda":  # the GPU experiment: determinism, cost and trainer check
+        from worker import bench_gpu
+
+        return bench_gpu.main(bench_gpu.from_bench_args(args))
     base = EngineConfig.from_args(args)
     engines = {mode: build(dataclasses.replace(base, mode=mode)) for mode in MODES}
     vocab = engines["default"].runner.model_config.vocab_size

@@ -74,6 +74,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def from_bench_args(args: argparse.Namespace) -> argparse.Namespace:
+    """`detgate bench engine --device cuda ...`: this experiment at its own workload sizes,
+    with the model, dtype and engine limits given; JSON next to --json (or bench/results)."""
+    ours = build_parser().parse_args(["--out", "bench/results"])
+    for name in ("model", "dtype", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                 "kv_cache_mb", "enforce_eager"):
+        if getattr(args, name, None) is not None:
+            setattr(ours, name, getattr(args, name))
+    if getattr(args, "json", None):
+        ours.out = str(Path(args.json).parent)
+    return ours
+
+
 class Experiment:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -133,8 +146,9 @@ class Experiment:
     def warmup(self) -> dict:
         """Compile kernels and capture graphs before anything is timed."""
         info = {}
-        reqs = wl.cost_workload(requests=48, prompt=(4, 300), output=(2, 24),
-                                vocab_size=self.vocab_size, seed=99)
+        small = self.args.small
+        reqs = wl.cost_workload(requests=8 if small else 48, prompt=(4, 40 if small else 300),
+                                output=(2, 24), vocab_size=self.vocab_size, seed=99)
         for mode, engine in self.engines.items():
             start = time.time()
             graphs = engine.runner.graphs
