@@ -21,6 +21,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,9 +34,10 @@ from worker.train_tokenizer import SPECIAL_TOKENS, chat_template, train_bpe
 # vocabulary and logprobs sit well away from uniform, narrow enough that it is not one-hot.
 LOGIT_STD = 3.0
 # Gain of the projections that write into the residual stream. With tied embeddings, a layer
-# output much smaller than the input embedding leaves the last token's own embedding dominant
-# and greedy decoding repeats it; 3x lets the layers steer the next token.
-RESIDUAL_GAIN = 3.0
+# output not much larger than the input embedding leaves the last token's own embedding
+# dominant and greedy decoding repeats it; at 10x (measured over seeds and prompts) greedy runs
+# of 60 tokens hold 25-40 distinct tokens.
+RESIDUAL_GAIN = 10.0
 
 
 @dataclass(frozen=True)
@@ -228,12 +230,26 @@ def _tensors(p: Preset, vocab_size: int) -> Iterator[_Tensor]:
         yield _Tensor("lm_head.weight", (vocab_size, h), LOGIT_STD / math.sqrt(h))
 
 
-def _draw(t: _Tensor, seed: int, dtype: torch.dtype) -> torch.Tensor:
-    digest = hashlib.sha256(f"{seed}:{t.name}".encode()).digest()
-    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-    values = torch.randn(t.shape, generator=gen, dtype=torch.float32)
-    values = 1.0 + 0.1 * values if t.std == 0.0 else values * t.std
-    return values.to(dtype)
+# Random draws are split into blocks of rows of about this many values, each from its own
+# generator, so big tensors are drawn by all cores at once and the bytes still depend only on
+# (seed, tensor name, block index).
+_DRAW_BLOCK = 1 << 24
+
+
+def _draw(t: _Tensor, seed: int, dtype: torch.dtype, pool: ThreadPoolExecutor) -> torch.Tensor:
+    out = torch.empty(t.shape, dtype=dtype)
+    rows = out.view(t.shape[0], -1)
+    step = max(1, _DRAW_BLOCK // rows.shape[1])
+
+    def fill(block: int) -> None:
+        digest = hashlib.sha256(f"{seed}:{t.name}:{block}".encode()).digest()
+        gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+        dest = rows[block * step : (block + 1) * step]
+        values = torch.randn(dest.shape, generator=gen, dtype=torch.float32)
+        dest.copy_(1.0 + 0.1 * values if t.std == 0.0 else values * t.std)
+
+    list(pool.map(fill, range(-(-rows.shape[0] // step))))
+    return out
 
 
 def _write_weights(out: Path, p: Preset, vocab_size: int, seed: int) -> None:
@@ -241,32 +257,35 @@ def _write_weights(out: Path, p: Preset, vocab_size: int, seed: int) -> None:
     Only one shard is in memory at a time."""
     dtype = getattr(torch, p.dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    tensors = list(_tensors(p, vocab_size))
+    tensors_list = list(_tensors(p, vocab_size))
     shards: list[list[_Tensor]] = [[]]
     size = 0
-    for t in tensors:
+    for t in tensors_list:
         nbytes = math.prod(t.shape) * itemsize
         if shards[-1] and size + nbytes > p.shard_bytes:
             shards.append([])
             size = 0
         shards[-1].append(t)
         size += nbytes
-    metadata = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(
-            {t.name: _draw(t, seed, dtype) for t in shards[0]}, out / "model.safetensors", metadata
-        )
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards, 1):
-        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file({t.name: _draw(t, seed, dtype) for t in shard}, out / fname, metadata)
-        weight_map.update({t.name: fname for t in shard})
-    total = sum(math.prod(t.shape) * itemsize for t in tensors)
-    _write_json(
-        out / "model.safetensors.index.json",
-        {"metadata": {"total_size": total}, "weight_map": weight_map},
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
     )
+    with ThreadPoolExecutor(os.cpu_count()) as pool:
+        for fname, shard in zip(names, shards, strict=True):
+            tensors = {t.name: _draw(t, seed, dtype, pool) for t in shard}
+            save_file(tensors, out / fname, {"format": "pt"})
+            del tensors
+    if len(shards) > 1:
+        total = sum(math.prod(t.shape) * itemsize for t in tensors_list)
+        weight_map = {
+            t.name: fname for fname, shard in zip(names, shards, strict=True) for t in shard
+        }
+        _write_json(
+            out / "model.safetensors.index.json",
+            {"metadata": {"total_size": total}, "weight_map": weight_map},
+        )
 
 
 _CONSONANTS = "bdfgklmnprstvz"

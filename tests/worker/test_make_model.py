@@ -101,5 +101,5 @@ def test_random_weights_decode_varied_tokens_with_peaked_logprobs(tiny_model):
         step(lm.model, caches, [seq], [1])
     tokens = [t for t, _ in chosen]
     mean_logprob = sum(lp for _, lp in chosen) / len(chosen)
-    assert len(set(tokens)) >= 20
+    assert len(set(tokens)) >= 15
     assert -4.0 < mean_logprob < -0.3 and math.log(1 / lm.config.vocab_size) < -7
