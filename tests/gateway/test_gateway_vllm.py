@@ -7,6 +7,7 @@ the operator's labels; token ids come from `return_token_ids`; errors carry an i
 from __future__ import annotations
 
 import struct
+import time
 
 import openai
 import orjson
@@ -14,7 +15,7 @@ import pytest
 
 from gateway.config import Settings
 from gateway.router import derived_fingerprint
-from tests.gateway.vllm_worker import fixture, sse_payloads
+from tests.gateway.vllm_worker import VllmFixtureWorker, fixture, sse_payloads
 
 MODEL = "Qwen/Qwen3-8B"
 LABELS = "VLLM_BATCH_INVARIANT=1,attention=FLASH_ATTN,gpu=H200"
@@ -170,3 +171,39 @@ def test_replay_against_derived_fingerprint(setup):
     with gw.http() as http:
         cmp = http.post(f"/replay/{answer.id}", json={"load": 3}).json()
     assert cmp["match"] is True and cmp["replay_fingerprint"] == expected_fingerprint()
+
+
+def test_one_retry_on_another_worker_and_never_more(start_gateway, vllm_worker):
+    other = VllmFixtureWorker()
+    other.start()
+    try:
+        gw = start_gateway([vllm_worker.url, other.url])
+        other.fail_status = 500
+        client = gw.client()
+        for _ in range(4):  # whichever worker is chosen first, the answer comes
+            assert client.chat.completions.create(model=MODEL, messages=MSG).choices
+        vllm_worker.fail_status = 503
+        deadline = time.monotonic() + 30  # both back in rotation (their /health is fine)
+        while not (gw.metric("detgate_worker_up", worker=vllm_worker.url)
+                   == gw.metric("detgate_worker_up", worker=other.url) == 1):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        before = len(vllm_worker.forwarded()) + len(other.forwarded())
+        with gw.http() as http:
+            r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": MSG})
+        assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_error"
+        assert len(vllm_worker.forwarded()) + len(other.forwarded()) - before == 2
+    finally:
+        other.stop()
+
+
+def test_attempt_timeout_gives_504_and_a_failed_record(start_gateway, vllm_worker):
+    gw = start_gateway([vllm_worker.url], env={"DETGATE_ATTEMPT_TIMEOUT_S": "0.5"})
+    vllm_worker.delay_s = 3.0
+    with gw.http() as http:
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "slow"})
+        assert r.status_code == 504
+        assert r.json()["error"]["code"] == "upstream_timeout"
+        rec = http.get(f"/v1/requests/{r.headers['x-detgate-record-id']}").json()
+    assert rec["status"] == "failed" and rec["choices"] == []
+    assert len(vllm_worker.forwarded()) == 1  # the only worker: no second attempt

@@ -31,6 +31,9 @@ class VllmFixtureWorker:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.received: list[tuple[str, dict]] = []
+        # Set by tests: answer every generation with this status, or only after a delay.
+        self.fail_status: int | None = None
+        self.delay_s = 0.0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._runner: web.AppRunner | None = None
@@ -73,6 +76,12 @@ class VllmFixtureWorker:
         async def handler(request: web.Request) -> web.StreamResponse:
             body = await request.json()
             self.received.append((request.path, body))
+            probe = body.get("prompt") == PROBE_PROMPT
+            if self.delay_s and not probe:
+                await asyncio.sleep(self.delay_s)
+            if self.fail_status is not None and not probe:
+                return web.Response(status=self.fail_status, body=fixture("vllm_error.json"),
+                                    content_type="application/json")
             text = json.dumps(body.get("messages") or body.get("prompt"))
             if "trigger-error" in text:
                 name = "vllm_error_legacy.json" if "legacy" in text else "vllm_error.json"
