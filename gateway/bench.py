@@ -126,7 +126,9 @@ def _device() -> dict:
     except OSError:
         pass
     return {"cpu": model or platform.processor(), "cores": os.cpu_count(),
-            "platform": platform.platform()}
+            "platform": platform.platform(),
+            # Other work on the machine widens latency tails; CPU per request is robust to it.
+            "load_average_at_start": os.getloadavg()}
 
 
 def _commit() -> str:
