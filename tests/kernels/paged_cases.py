@@ -8,10 +8,14 @@ the new tokens' K/V first, then attends, exactly as the engine does.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
-from kernels.attention import paged_attention, store_kv
+from kernels import attention
+
+# An implementation: anything with `store_kv` and `paged_attention` as kernels.attention has.
+Impl = SimpleNamespace
 
 
 @dataclass
@@ -61,16 +65,17 @@ def with_block_size(world: World, block_size: int, seed: int = 1) -> World:
     return World(world.q, world.k, world.v, other.blocks, other.k_cache, other.v_cache)
 
 
-def step(world: World, chunks: list[tuple[int, int, int]], scale: float | None = None
+def step(world: World, chunks: list[tuple[int, int, int]], impl: Impl | None = None
          ) -> list[torch.Tensor]:
     """One engine step: chunks [(seq, start, end)] = positions start..end-1 of seq are new.
 
     Stores their K/V, attends, and returns each chunk's output [end - start, Hq, D].
     """
+    impl = impl or attention
     device = world.k_cache.device
     bs = world.block_size
     d = world.q[0].shape[2]
-    scale = d**-0.5 if scale is None else scale
+    scale = d**-0.5
     slots, starts, seq_lens = [], [0], []
     for i, start, end in chunks:
         pos = torch.arange(start, end)
@@ -85,14 +90,15 @@ def step(world: World, chunks: list[tuple[int, int, int]], scale: float | None =
     k = torch.cat([world.k[i][s:e] for i, s, e in chunks])
     v = torch.cat([world.v[i][s:e] for i, s, e in chunks])
     q = torch.cat([world.q[i][s:e] for i, s, e in chunks])
-    store_kv(k, v, world.k_cache, world.v_cache, torch.cat(slots).to(device))
-    out = paged_attention(q, world.k_cache, world.v_cache, tables.to(device),
+    impl.store_kv(k, v, world.k_cache, world.v_cache, torch.cat(slots).to(device))
+    out = impl.paged_attention(q, world.k_cache, world.v_cache, tables.to(device),
                           torch.tensor(starts, dtype=torch.int32, device=device),
                           torch.tensor(seq_lens, dtype=torch.int32, device=device), scale)
     return list(out.split([e - s for _, s, e in chunks]))
 
 
-def prefill(world: World, seqs: list[int], chunk: int | None = None) -> list[torch.Tensor]:
+def prefill(world: World, seqs: list[int], chunk: int | None = None, impl: Impl | None = None
+            ) -> list[torch.Tensor]:
     """Prefill whole sequences together, in chunks of `chunk` tokens (None: one chunk each)."""
     lens = [world.q[i].shape[0] for i in seqs]
     outs: list[list[torch.Tensor]] = [[] for _ in seqs]
@@ -105,6 +111,6 @@ def prefill(world: World, seqs: list[int], chunk: int | None = None) -> list[tor
                 chunks.append((i, done[j], end))
                 owners.append(j)
                 done[j] = end
-        for j, out in zip(owners, step(world, chunks), strict=True):
+        for j, out in zip(owners, step(world, chunks, impl), strict=True):
             outs[j].append(out)
     return [torch.cat(o) for o in outs]

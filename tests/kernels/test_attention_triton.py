@@ -1,0 +1,140 @@
+"""The Triton paged attention on small shapes: equals the reference, and a query's bits do not
+depend on the batch, decode vs prefill, the chunking, the block size or the launch shape.
+
+Without CUDA it runs under Triton's interpreter (TRITON_INTERPRET=1, set before the kernel
+module is imported) on CPU tensors, with small tiles and splits so that every query crosses
+several splits; with CUDA, natively with the real constants.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from importlib import import_module  # noqa: E402
+
+import numpy as np  # noqa: E402
+from triton.runtime import interpreter  # noqa: E402
+
+from kernels import reference  # noqa: E402
+from tests.kernels.paged_cases import Impl, make_world, prefill, step, with_block_size  # noqa: E402
+
+at = import_module("kernels.attention_triton")
+DEVICE = "cuda" if ON_GPU else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def _impl(split_programs: bool | None) -> Impl:
+    return Impl(store_kv=at.store_kv,
+                paged_attention=functools.partial(at.paged_attention,
+                                                  split_programs=split_programs))
+
+
+FUSED, SPLIT = _impl(False), _impl(True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter_fixed_order_dot():
+    """The interpreter's tl.dot is numpy's matmul (OpenBLAS), which gives a row other bits
+    depending on where it sits in the tile; a GPU's MMA does not (the GPU tests check that).
+    Give the interpreter a product with one summation order per element, so these tests check
+    the kernel's own reduction order: tiles, splits, masks and merges."""
+    if ON_GPU:
+        yield
+        return
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        a32, b32 = a.data.astype(np.float32), b.data.astype(np.float32)
+        product = (a32[:, :, None] * b32[None, :, :]).sum(axis=1, dtype=np.float32)
+        return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
+
+    builder.create_dot = create_dot
+    yield
+    builder.create_dot = original
+
+
+@pytest.fixture(autouse=True)
+def _small_tiles(monkeypatch):
+    """Under the interpreter: 32-row blocks, 16-position tiles, 32-position splits."""
+    if not ON_GPU:
+        monkeypatch.setattr(at, "BLOCK_M", 32)
+        monkeypatch.setattr(at, "BLOCK_N", 16)
+        monkeypatch.setattr(at, "KV_SPLIT", 32)
+
+
+def _reference(world, i: int) -> torch.Tensor:
+    n = world.q[i].shape[0]
+    table = torch.tensor([world.blocks[i]], dtype=torch.int32, device=DEVICE)
+    return reference.paged_attention(
+        world.q[i], world.k_cache, world.v_cache, table,
+        torch.tensor([0, n], dtype=torch.int32, device=DEVICE),
+        torch.tensor([n], dtype=torch.int32, device=DEVICE), world.q[i].shape[2]**-0.5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_reference_and_launch_shapes_agree(dtype):
+    world = make_world([50, 1, 33], 4, 1, 16, 16, dtype, DEVICE, seed=1)
+    fused = prefill(world, [0, 1, 2], impl=FUSED)
+    split = prefill(world, [0, 1, 2], impl=SPLIT)
+    for i, (f, s) in enumerate(zip(fused, split, strict=True)):
+        assert torch.equal(f, s), f"fused and split launches differ for sequence {i}"
+        torch.testing.assert_close(f, _reference(world, i), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_sequence_alone_equals_sequence_among_many():
+    lens = [45, 3, 70, 17]
+    world = make_world(lens, 4, 2, 16, 16, torch.float32, DEVICE, seed=2)
+    among = prefill(world, list(range(len(lens))), impl=FUSED)
+    alone = prefill(world.fresh_cache(), [2], impl=FUSED)
+    assert torch.equal(alone[0], among[2])
+    decodes = [(i, n - 1, n) for i, n in enumerate(lens)]
+    for impl in (FUSED, SPLIT):
+        batch = step(world, decodes, impl)
+        assert torch.equal(step(world, [decodes[2]], impl)[0], batch[2])
+        assert torch.equal(batch[2], among[2][-1:])
+
+
+@pytest.mark.parametrize("impl", [FUSED, SPLIT], ids=["fused", "split"])
+def test_decode_equals_same_position_in_prefill(impl):
+    world = make_world([100], 4, 1, 16, 16, torch.float32, DEVICE, seed=3)
+    full = prefill(world, [0], impl=FUSED)[0]
+    for pos in (0, 15, 16, 31, 32, 33, 63, 64, 99):
+        assert torch.equal(step(world, [(0, pos, pos + 1)], impl)[0], full[pos:pos + 1]), pos
+
+
+@pytest.mark.parametrize("splits", [[80, 48], [1, 127], [33, 31, 64]])
+def test_chunked_prefill_equals_fresh_prefill(splits):
+    world = make_world([128], 4, 1, 16, 32, torch.float32, DEVICE, seed=4)
+    fresh = prefill(world, [0], impl=FUSED)[0]
+    chunked = world.fresh_cache()
+    outs, start = [], 0
+    for n in splits:
+        outs.append(step(chunked, [(0, start, start + n)], FUSED)[0])
+        start += n
+    assert torch.equal(torch.cat(outs), fresh)
+
+
+def test_block_size_does_not_change_bits():
+    world = make_world([90, 40], 4, 1, 16, 16, torch.float32, DEVICE, seed=5)
+    base = prefill(world, [0, 1], impl=FUSED)
+    other = prefill(with_block_size(world, 32), [0, 1], impl=FUSED)
+    assert all(torch.equal(a, b) for a, b in zip(base, other, strict=True))
+
+
+def test_store_kv_skips_negative_slots():
+    world = make_world([20], 4, 2, 16, 16, torch.float32, DEVICE)
+    k = torch.randn(3, 2, 16, device=DEVICE)
+    at.store_kv(k, -k, world.k_cache, world.v_cache, torch.tensor([5, -1, 7], device=DEVICE))
+    flat_k, flat_v = world.k_cache.flatten(0, 1), world.v_cache.flatten(0, 1)
+    assert torch.equal(flat_k[5], k[0]) and torch.equal(flat_k[7], k[2])
+    assert torch.equal(flat_v[7], -k[2]) and flat_k[6].isnan().all()
