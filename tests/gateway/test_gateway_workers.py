@@ -176,7 +176,8 @@ def test_replays_match_on_batch_invariant_workers(gw, model):
 def test_client_leaving_a_stream_records_it_aborted(gw, model):
     with httpx.Client(base_url=gw.url, timeout=60) as http, http.stream(
             "POST", "/v1/completions", json={"model": model, "prompt": "Long story:",
-                                             "max_tokens": 400, "stream": True}) as r:
+                                             "max_tokens": 1500, "temperature": 0,
+                                             "stream": True}) as r:
         rid = r.headers["x-detgate-record-id"]
         for i, _ in enumerate(r.iter_lines()):
             if i >= 3:
@@ -189,8 +190,8 @@ def test_client_leaving_a_stream_records_it_aborted(gw, model):
             break
         time.sleep(0.2)
     rec = got.json()
-    assert rec["status"] == "aborted"
-    assert 0 < len(rec["choices"][0]["token_ids"]) < 400
+    assert rec["status"] == "aborted", rec
+    assert 0 < len(rec["choices"][0]["token_ids"]) < 1500
 
 
 def wait_for(predicate, timeout: float = 120.0) -> None:
