@@ -129,29 +129,32 @@ class ModelRunner:
     # -- inputs ----------------------------------------------------------------------------
 
     def _prepare_inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        # Plain Python ints per token, one numpy array per input: a decode step of hundreds of
+        # sequences must cost well under the GPU's step time on the host.
         bs = self.block_size
         ids, pos, slots, qsl, seq_lens = [], [], [], [0], []
         max_blocks = max(len(e.seq.block_table) for e in batch.entries)
         tables = np.full((len(batch), max_blocks), -1, dtype=np.int32)
         for i, e in enumerate(batch.entries):
-            table = np.asarray(e.seq.block_table, dtype=np.int64)
-            p = np.arange(e.start, e.end)
-            ids.append(np.asarray(e.seq.token_ids[e.start:e.end], dtype=np.int64))
-            pos.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
+            table = e.seq.block_table
+            tables[i, :len(table)] = table
+            ids += e.seq.token_ids[e.start:e.end]
+            positions = range(e.start, e.end)
+            pos += positions
+            slots += [table[p // bs] * bs + p % bs for p in positions]
             qsl.append(qsl[-1] + e.num_tokens)
             seq_lens.append(e.end)
-            tables[i, :len(table)] = table
         put = self.inputs.put
         meta = AttentionMetadata(
             query_start_loc=put("query_start_loc", np.array(qsl, np.int32)),
             seq_lens=put("seq_lens", np.array(seq_lens, np.int32)),
             block_tables=put("block_tables", tables),
-            slot_mapping=put("slot_mapping", np.concatenate(slots)),
+            slot_mapping=put("slot_mapping", np.array(slots, np.int64)),
             max_query_len=max(e.num_tokens for e in batch.entries),
             max_seq_len=max(seq_lens),
         )
-        return put("input_ids", np.concatenate(ids)), put("positions", np.concatenate(pos)), meta
+        input_ids = put("input_ids", np.array(ids, np.int64))
+        return input_ids, put("positions", np.array(pos, np.int64)), meta
 
     def _plan_rows(self, batch: Batch) -> _Rows:
         rows = _Rows([], [], [], [], num_top=-1, with_rank=False)
