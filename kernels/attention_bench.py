@@ -1,0 +1,187 @@
+"""Paged attention against torch SDPA, side by side in one run: `run(device) -> list[dict]`.
+
+CUDA: Qwen3-8B's attention (32 q heads, 8 kv heads, head dim 128, bf16, cache block 16).
+- decode: one query per sequence over B x L cached tokens; `kv_tb_s` = bytes of K and V read
+  per second, against `copy_tb_s`, the device's copy bandwidth (read + write) measured in the
+  same run; SDPA reads the same K/V from contiguous tensors (no paging).
+- prefill: B fresh prompts of L tokens, causal; SDPA is the flash kernel (K/V expanded to 32
+  heads); `ratio` = SDPA time / our time (above 1: we are faster).
+Each of our rows names its tile configuration (BLOCK_M, BLOCK_N, warps) and launch shape
+(fused, split, or auto = what paged_attention picks).
+CPU: the tiny model's attention (8 q / 2 kv heads of 32, fp32): our CPU kernel vs the default
+mode's padded SDPA over the gathered cache, timed on the host.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Callable
+from importlib import import_module
+
+import torch
+import torch.nn.functional as F
+
+QWEN3_8B = {"hq": 32, "hkv": 8, "d": 128}
+TINY = {"hq": 8, "hkv": 2, "d": 32}
+DECODE_SHAPES = [(1, 4096), (16, 4096), (64, 4096), (128, 4096), (32, 8192), (256, 2048),
+                 (4, 65536)]
+PREFILL_SHAPES = [(1, 1024), (4, 2048), (1, 4096), (1, 8192)]
+CONFIGS = [(64, 64, 4), (128, 64, 8)]  # (BLOCK_M, BLOCK_N, num_warps); the first ships
+BLOCK_SIZE = 16
+
+
+def _cuda_ms(fn: Callable[[], object], reps: int = 5) -> float:
+    """Median over reps of the mean time of back-to-back calls, in milliseconds."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    calls = max(3, min(200, int(20.0 / max(start.elapsed_time(end), 1e-3))))
+    times = []
+    for _ in range(reps):
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
+def _host_ms(fn: Callable[[], object], reps: int = 15) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times) * 1e3
+
+
+def _copy_tb_s() -> float:
+    src = torch.empty(2**31, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _cuda_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() / (ms * 1e-3) / 1e12
+
+
+def _paged_inputs(batch: int, seq_len: int, q_len: int, shape: dict, dtype, device: str,
+                  gen: torch.Generator) -> dict:
+    """A shuffled paged cache holding `batch` sequences of `seq_len` tokens."""
+    hq, hkv, d = shape["hq"], shape["hkv"], shape["d"]
+    per_seq = -(-seq_len // BLOCK_SIZE)
+    num_blocks = batch * per_seq
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, hkv, d, generator=gen, device=device,
+                          dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    perm = torch.randperm(num_blocks, generator=gen, device=device)
+    tables = perm.view(batch, per_seq).to(torch.int32)
+    qsl = torch.arange(batch + 1, device=device, dtype=torch.int32) * q_len
+    lens = torch.full((batch,), seq_len, device=device, dtype=torch.int32)
+    q = torch.randn(batch * q_len, hq, d, generator=gen, device=device, dtype=dtype)
+    return {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": tables,
+            "query_start_loc": qsl, "seq_lens": lens, "scale": d**-0.5}
+
+
+def _contiguous_kv(inp: dict, batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The paged K/V of each sequence as [B, Hkv, L, D] (what SDPA reads)."""
+    tables = inp["block_tables"].long()
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        rows = cache[tables].flatten(1, 2)[:, :seq_len]  # [B, L, Hkv, D]
+        return rows.transpose(1, 2).contiguous()
+
+    return gather(inp["k_cache"]), gather(inp["v_cache"])
+
+
+def _with_config(at, config: tuple[int, int, int], fn: Callable[[], object]) -> Callable:
+    def call():
+        saved = at.BLOCK_M, at.BLOCK_N, at.NUM_WARPS
+        at.BLOCK_M, at.BLOCK_N, at.NUM_WARPS = config
+        try:
+            return fn()
+        finally:
+            at.BLOCK_M, at.BLOCK_N, at.NUM_WARPS = saved
+    return call
+
+
+def _cuda_rows() -> list[dict]:
+    at = import_module("kernels.attention_triton")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    copy = _copy_tb_s()
+    rows: list[dict] = [{"op": "copy_bandwidth", "tb_s": copy}]
+    for batch, seq_len in DECODE_SHAPES:
+        inp = _paged_inputs(batch, seq_len, 1, QWEN3_8B, torch.bfloat16, "cuda", gen)
+        k, v = _contiguous_kv(inp, batch, seq_len)
+        q4 = inp["q"].view(batch, 1, QWEN3_8B["hq"], QWEN3_8B["d"]).transpose(1, 2)
+        sdpa_ms = _cuda_ms(lambda q4=q4, k=k, v=v: F.scaled_dot_product_attention(
+            q4, k, v, enable_gqa=True))
+        kv_bytes = 2 * k.numel() * k.element_size()
+        del k, v
+        for config in CONFIGS:
+            for launch, split in (("auto", None), ("fused", False), ("split", True)):
+                call = functools.partial(at.paged_attention, **inp, split_programs=split)
+                ms = _cuda_ms(_with_config(at, config, call))
+                rows.append({"op": "attention_decode", "batch": batch, "context": seq_len,
+                             "config": "m{}n{}w{}".format(*config), "launch": launch,
+                             "ours_ms": ms, "sdpa_ms": sdpa_ms, "ratio": sdpa_ms / ms,
+                             "kv_tb_s": kv_bytes / (ms * 1e-3) / 1e12,
+                             "sdpa_kv_tb_s": kv_bytes / (sdpa_ms * 1e-3) / 1e12,
+                             "fraction_of_copy": kv_bytes / (ms * 1e-3) / 1e12 / copy})
+        del inp
+    for batch, seq_len in PREFILL_SHAPES:
+        inp = _paged_inputs(batch, seq_len, seq_len, QWEN3_8B, torch.bfloat16, "cuda", gen)
+        k, v = _contiguous_kv(inp, batch, seq_len)
+        group = QWEN3_8B["hq"] // QWEN3_8B["hkv"]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        q4 = inp["q"].view(batch, seq_len, QWEN3_8B["hq"], QWEN3_8B["d"]).transpose(1, 2)
+        q4 = q4.contiguous()
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            sdpa_ms = _cuda_ms(lambda q4=q4, k=k, v=v: F.scaled_dot_product_attention(
+                q4, k, v, is_causal=True))
+        del k, v
+        flops = 4 * batch * QWEN3_8B["hq"] * QWEN3_8B["d"] * seq_len * (seq_len + 1) / 2
+        for config in CONFIGS:
+            call = functools.partial(at.paged_attention, **inp)
+            ms = _cuda_ms(_with_config(at, config, call))
+            rows.append({"op": "attention_prefill", "batch": batch, "seq_len": seq_len,
+                         "config": "m{}n{}w{}".format(*config), "launch": "auto",
+                         "ours_ms": ms, "sdpa_ms": sdpa_ms, "ratio": sdpa_ms / ms,
+                         "ours_tflop_s": flops / (ms * 1e-3) / 1e12,
+                         "sdpa_tflop_s": flops / (sdpa_ms * 1e-3) / 1e12})
+        del inp
+    return rows
+
+
+def _cpu_rows() -> list[dict]:
+    from kernels.attention_cpu import paged_attention
+    from worker.attention_metadata import AttentionMetadata
+    from worker.ops import _padded_sdpa
+
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for op, batch, seq_len, q_len in (("attention_decode", 16, 512, 1),
+                                      ("attention_decode", 64, 256, 1),
+                                      ("attention_prefill", 4, 256, 256)):
+        inp = _paged_inputs(batch, seq_len, q_len, TINY, torch.float32, "cpu", gen)
+        meta = AttentionMetadata(query_start_loc=inp["query_start_loc"],
+                                 seq_lens=inp["seq_lens"], block_tables=inp["block_tables"],
+                                 slot_mapping=torch.zeros(batch * q_len, dtype=torch.long),
+                                 max_query_len=q_len, max_seq_len=seq_len)
+        sdpa_ms = _host_ms(lambda inp=inp, meta=meta: _padded_sdpa(
+            inp["q"], inp["k_cache"], inp["v_cache"], meta, inp["scale"]))
+        ms = _host_ms(lambda inp=inp: paged_attention(**inp))
+        rows.append({"op": op, "batch": batch, "context": seq_len, "q_len": q_len,
+                     "ours_ms": ms, "sdpa_ms": sdpa_ms, "ratio": sdpa_ms / ms,
+                     "threads": torch.get_num_threads()})
+    return rows
+
+
+def run(device: str | torch.device) -> list[dict]:
+    """Benchmark rows for `device` ("cuda" or "cpu")."""
+    return _cuda_rows() if torch.device(device).type == "cuda" else _cpu_rows()

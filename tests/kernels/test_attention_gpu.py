@@ -1,0 +1,140 @@
+"""The Triton paged attention at Qwen3-8B sizes on a GPU (32 q heads, 8 kv heads, head dim 128,
+bf16): a query's bits do not depend on the batch, decode vs prefill, the chunking or the
+launch shape, under each tile configuration the benchmark measures; and the negative control
+that torch's SDPA on the same shapes does depend on them."""
+
+from __future__ import annotations
+
+import functools
+from importlib import import_module
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import reference
+from tests.kernels.paged_cases import Impl, make_world, prefill, step
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+HQ, HKV, D = 32, 8, 128
+# (BLOCK_M, BLOCK_N, num_warps): the shipped configuration first, then the alternative that
+# kernels/attention_bench.py times.
+CONFIGS = [(64, 64, 4), (128, 64, 8)]
+
+
+@pytest.fixture(params=CONFIGS, ids=lambda c: "m{}n{}w{}".format(*c))
+def at(request, monkeypatch):
+    module = import_module("kernels.attention_triton")
+    block_m, block_n, warps = request.param
+    monkeypatch.setattr(module, "BLOCK_M", block_m)
+    monkeypatch.setattr(module, "BLOCK_N", block_n)
+    monkeypatch.setattr(module, "NUM_WARPS", warps)
+    return module
+
+
+def _impl(at, split_programs: bool | None) -> Impl:
+    return Impl(store_kv=at.store_kv,
+                paged_attention=functools.partial(at.paged_attention,
+                                                  split_programs=split_programs))
+
+
+def test_matches_reference_both_launches(at):
+    lens = [1500, 1, 300, 1024]
+    world = make_world(lens, HQ, HKV, D, 16, torch.bfloat16, "cuda", seed=1)
+    fused = prefill(world, [0, 1, 2, 3], impl=_impl(at, False))
+    split = prefill(world, [0, 1, 2, 3], impl=_impl(at, True))
+    for i, n in enumerate(lens):
+        assert torch.equal(fused[i], split[i]), i
+        table = torch.tensor([world.blocks[i]], dtype=torch.int32, device="cuda")
+        ref = reference.paged_attention(world.q[i], world.k_cache, world.v_cache, table,
+                                        torch.tensor([0, n], dtype=torch.int32, device="cuda"),
+                                        torch.tensor([n], dtype=torch.int32, device="cuda"),
+                                        D**-0.5)
+        torch.testing.assert_close(fused[i], ref, atol=2e-2, rtol=2e-2)
+
+
+def test_fp32_matches_reference_without_tf32(at):
+    world = make_world([200, 77], HQ, HKV, D, 32, torch.float32, "cuda", seed=2)
+    outs = prefill(world, [0, 1], impl=_impl(at, None))
+    for i, n in enumerate([200, 77]):
+        table = torch.tensor([world.blocks[i]], dtype=torch.int32, device="cuda")
+        ref = reference.paged_attention(world.q[i], world.k_cache, world.v_cache, table,
+                                        torch.tensor([0, n], dtype=torch.int32, device="cuda"),
+                                        torch.tensor([n], dtype=torch.int32, device="cuda"),
+                                        D**-0.5)
+        torch.testing.assert_close(outs[i], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_at_every_position_equals_prefill(at):
+    """All 2048 positions decoded in one call (2048 one-query sequences sharing one cache, seq
+    lens 1..2048), in both launch shapes, against the one-sequence prefill."""
+    n = 2048
+    world = make_world([n], HQ, HKV, D, 16, torch.bfloat16, "cuda", seed=3)
+    full = prefill(world, [0], impl=_impl(at, False))[0]
+    table = torch.tensor(world.blocks[0], dtype=torch.int32, device="cuda").expand(n, -1)
+    qsl = torch.arange(n + 1, dtype=torch.int32, device="cuda")
+    lens = torch.arange(1, n + 1, dtype=torch.int32, device="cuda")
+    for split in (False, True):
+        dec = at.paged_attention(world.q[0], world.k_cache, world.v_cache, table.contiguous(),
+                                 qsl, lens, D**-0.5, split_programs=split)
+        assert torch.equal(dec, full), f"split={split}"
+
+
+def test_needle_alone_equals_needle_among_many(at):
+    gen = torch.Generator().manual_seed(4)
+    lens = [700] + torch.randint(1, 3000, (31,), generator=gen).tolist()
+    world = make_world(lens, HQ, HKV, D, 16, torch.bfloat16, "cuda", seed=4)
+    impl = _impl(at, None)
+    among = prefill(world, list(range(len(lens))), impl=impl)
+    alone = prefill(world.fresh_cache(), [0], impl=impl)
+    assert torch.equal(alone[0], among[0])
+    decodes = [(i, n - 1, n) for i, n in enumerate(lens)]
+    batch = step(world, decodes[7:] + decodes[:7], impl)
+    assert torch.equal(batch[len(lens) - 7], step(world, [decodes[0]], impl)[0])
+    assert torch.equal(batch[len(lens) - 7], among[0][-1:])
+
+
+@pytest.mark.parametrize(("block_size", "splits"), [(32, [80, 48]), (16, [1, 511, 1000, 536]),
+                                                    (64, [300, 300, 300, 1148])])
+def test_chunked_prefill_equals_fresh_prefill(at, block_size, splits):
+    total = sum(splits)
+    world = make_world([total], HQ, HKV, D, block_size, torch.bfloat16, "cuda", seed=5)
+    impl = _impl(at, None)
+    fresh = prefill(world, [0], impl=impl)[0]
+    chunked = world.fresh_cache()
+    outs, start = [], 0
+    for n in splits:
+        outs.append(step(chunked, [(0, start, start + n)], impl)[0])
+        start += n
+    assert torch.equal(torch.cat(outs), fresh)
+
+
+def test_dispatch_by_device_uses_triton():
+    world = make_world([64, 9], HQ, HKV, D, 16, torch.bfloat16, "cuda", seed=6)
+    outs = prefill(world, [0, 1])  # kernels.attention, dispatched on the CUDA tensors
+    at = import_module("kernels.attention_triton")
+    again = prefill(world.fresh_cache(), [0, 1], impl=_impl(at, None))
+    assert all(torch.equal(a, b) for a, b in zip(outs, again, strict=True))
+
+
+def test_sdpa_is_not_batch_invariant():
+    """Negative control: torch SDPA's bits for one query change with decode vs prefill and
+    with the batch size, on these shapes."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (torch.randn(1, HQ, 2048, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+               for _ in range(3))
+    k, v = k[:, :HKV], v[:, :HKV]
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    differs = 0
+    for p in range(0, 2048, 97):
+        dec = F.scaled_dot_product_attention(q[:, :, p:p + 1], k[:, :, :p + 1], v[:, :, :p + 1],
+                                             enable_gqa=True)
+        differs += not torch.equal(dec, full[:, :, p:p + 1])
+    qb = q[:, :, -1:].expand(64, -1, -1, -1).contiguous()
+    kb, vb = k.expand(64, -1, -1, -1).contiguous(), v.expand(64, -1, -1, -1).contiguous()
+    batched = F.scaled_dot_product_attention(qb, kb, vb, enable_gqa=True)
+    alone = F.scaled_dot_product_attention(q[:, :, -1:], k, v, enable_gqa=True)
+    differs += not torch.equal(batched[:1], alone)
+    assert differs > 0
