@@ -89,20 +89,15 @@ class DecodeGraphs:
         if b is None or width is None or meta.max_query_len != 1:
             return None
         self._load(input_ids, positions, meta, n, b, width)
-        graph = self.graphs.get((b, width))
+        graph = self.graphs.get((b, width)) or self._try_capture(b, width)
         if graph is None:
-            try:
-                graph = self._capture(b, width)
-            except RuntimeError:  # an op that cannot be captured: run eagerly from now on
-                log.exception("CUDA graph capture failed (batch %d, width %d); running eagerly",
-                              b, width)
-                self.failed = True
-                return None
+            return None
         if graph.graph is None:
             return self._run(b, width)[:n]
         graph.graph.replay()
         return graph.hidden[:n]
 
+    @torch.inference_mode()
     def capture_all(self, max_seq_len: int) -> int:
         """Capture every batch size at the widths up to the one covering max_seq_len, largest
         first (smaller graphs then reuse the pool's memory). Returns the number of graphs."""
@@ -110,9 +105,9 @@ class DecodeGraphs:
         widths += [w for w in self.widths if w >= max_seq_len][:1]
         for width in widths:
             for b in reversed(self.batch_sizes):
-                if (b, width) not in self.graphs:
+                if (b, width) not in self.graphs and not self.failed:
                     self._reset_padding(b, width)
-                    self._capture(b, width)
+                    self._try_capture(b, width)
         return len(self.graphs)
 
     # -- internals -------------------------------------------------------------------------
@@ -145,6 +140,15 @@ class DecodeGraphs:
             block_tables=self.block_tables[width][:b], slot_mapping=self.slot_mapping[:b],
             max_query_len=1, max_seq_len=width)
         return self.model(self.input_ids[:b], self.positions[:b], meta, self.kv_caches)
+
+    def _try_capture(self, b: int, width: int) -> _Graph | None:
+        try:
+            return self._capture(b, width)
+        except RuntimeError:  # an op that cannot be captured: run eagerly from now on
+            log.exception("CUDA graph capture failed (batch %d, width %d); running eagerly",
+                          b, width)
+            self.failed = True
+            return None
 
     def _capture(self, b: int, width: int) -> _Graph:
         if not self.capture:
