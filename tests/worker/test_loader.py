@@ -64,7 +64,8 @@ def test_sharded_llama_with_rope_scaling_matches_transformers(tiny_model, tmp_pa
     lm = load(tmp_path, dtype="float32", device="cpu", mode="default")
     assert lm.config.architecture == "LlamaForCausalLM" and not lm.config.qk_norm
     assert lm.config.rope_scaling is not None and lm.config.rope_scaling.rope_type == "llama3"
-    ids = [random.Random(3).randrange(2048) for _ in range(300)]
+    rng = random.Random(3)
+    ids = [rng.randrange(2048) for _ in range(300)]
     [seq] = allocate([ids])
     step(lm.model, make_caches(lm.model, 20), [seq], [300])
     with torch.inference_mode():
@@ -116,3 +117,30 @@ def test_fingerprint_parts(tiny_model, tmp_path):
     save_file(tensors, tmp_path / "m" / "model.safetensors")
     c = load(tmp_path / "m", dtype="float32", device="cpu", mode="default").fingerprint_parts
     assert c["weights_sha256"] != a["weights_sha256"] and c["config_sha256"] == a["config_sha256"]
+
+
+def test_qwen2_with_biases_and_tied_embeddings_matches_transformers(tiny_model, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen2Config(
+        vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        initializer_range=0.2, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    ref = transformers.Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # q/k/v biases start at zero: make them count
+        for layer in ref.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    ref.save_pretrained(tmp_path)
+    shutil.copy(tiny_model / "tokenizer.json", tmp_path)
+
+    lm = load(tmp_path, dtype="float32", device="cpu", mode="default")
+    assert lm.config.attention_bias and lm.config.tie_word_embeddings
+    rng = random.Random(4)
+    ids = [rng.randrange(2048) for _ in range(100)]
+    [seq] = allocate([ids])
+    step(lm.model, make_caches(lm.model, 8), [seq], [100])
+    with torch.inference_mode():
+        expected = ref(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(seq.logits[0], expected, rtol=1e-4, atol=1e-4)
