@@ -194,6 +194,17 @@ class Experiment:
         return {"requests": len(reqs), "output_tokens": sum(r.params.max_tokens for r in reqs),
                 "passes": passes, "ratio_mean": statistics.mean(ratios)}
 
+    def cost_eager(self) -> dict:
+        """The cost workload again with every step eager: what the CUDA graphs buy."""
+        saved = {mode: engine.runner.graphs for mode, engine in self.engines.items()}
+        try:
+            for engine in self.engines.values():
+                engine.runner.graphs = None
+            return self.cost()
+        finally:
+            for mode, engine in self.engines.items():
+                engine.runner.graphs = saved[mode]
+
     def score(self) -> dict:
         """Sampled needles and fillers, scored teacher-forced, all in one batch."""
         info = {}
@@ -219,6 +230,8 @@ class Experiment:
         if self.det_out:
             self.phase("score", self.score)
         self.phase("cost", self.cost)
+        if self.args.device == "cuda" and not self.args.enforce_eager:
+            self.phase("cost_eager", self.cost_eager)
         self.result["total_seconds"] = round(time.time() - T0, 1)
         self.save()
 
@@ -349,12 +362,19 @@ def summary_table(result: dict) -> str:
     row(f"cost: {cost.get('requests', '-')} requests, wall s (pass 1)",
         lambda m: f"{passes[0][m]['seconds']:.2f}")
     row("cost: output tokens/s (pass 1)", lambda m: f"{passes[0][m]['tokens_per_s']:.0f}")
+    row("cost: decode-only steps (share of engine time)", lambda m: "{} of {} ({:.0%})".format(
+        passes[0][m]["decode_only_steps"], passes[0][m]["steps"],
+        passes[0][m]["decode_only_seconds"] / passes[0][m]["seconds"]))
+    eager = result.get("cost_eager", {}).get("passes", [])
+    row("cost without CUDA graphs: wall s", lambda m: f"{eager[0][m]['seconds']:.2f}")
     row("score == sampled logprobs (bitwise positions)",
         lambda m: f"{score[m]['bitwise_equal']} / {score[m]['positions']}")
     if passes:
         ratios = ", ".join(f"{p['ratio']:.3f}" for p in passes)
         lines.append(f"\nbatch_invariant / default wall time: {ratios} (mean "
                      f"{cost['ratio_mean']:.3f})")
+    if eager:
+        lines.append(f"without CUDA graphs: {result['cost_eager']['ratio_mean']:.3f}")
     return "\n".join(lines)
 
 

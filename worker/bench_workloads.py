@@ -41,6 +41,7 @@ class RunStats:
     generated_tokens: int
     prompt_tokens: int
     decode_only_steps: int
+    decode_only_seconds: float  # engine time in decode-only steps (CUDA graphs when on)
     mean_batch_size: float
     max_batch_size: int
 
@@ -85,6 +86,7 @@ def run(engine: Engine, reqs: list[Request], arrival_seed: int | None
     queue = collections.deque(reqs)
     out = {r.request_id: Completion() for r in reqs}
     steps = decode_only = seqs_total = max_seqs = generated = 0
+    decode_seconds = 0.0
     start = time.perf_counter()
     while queue or engine.has_work():
         joining = len(queue) if arrival_seed is None else rng.choice(ARRIVALS)
@@ -95,7 +97,9 @@ def run(engine: Engine, reqs: list[Request], arrival_seed: int | None
             engine.add(r.request_id, r.token_ids, r.params)
         outputs, stats = engine.step()
         steps += 1
-        decode_only += stats.num_tokens == stats.num_seqs
+        if stats.num_tokens == stats.num_seqs:
+            decode_only += 1
+            decode_seconds += stats.seconds
         seqs_total += stats.num_seqs
         max_seqs = max(max_seqs, stats.num_seqs)
         generated += stats.num_generated
@@ -108,7 +112,7 @@ def run(engine: Engine, reqs: list[Request], arrival_seed: int | None
                 c.prompt_logprobs = [t.logprob for t in o.prompt_logprobs]
     seconds = time.perf_counter() - start
     prompt_tokens = sum(len(r.token_ids) for r in reqs)
-    return out, RunStats(seconds, steps, generated, prompt_tokens, decode_only,
+    return out, RunStats(seconds, steps, generated, prompt_tokens, decode_only, decode_seconds,
                          seqs_total / max(steps, 1), max_seqs)
 
 
