@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_LOGPROBS = 20
 
@@ -39,6 +39,12 @@ class _Request(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # Clients send `"max_tokens": null` and the like for "not set", as the OpenAI API allows.
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
     def _no_penalties(cls, value: float) -> float:
@@ -55,7 +61,7 @@ class _Request(BaseModel):
 
 class CompletionRequest(_Request):
     prompt: str | list[int] = Field(min_length=1)
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: Literal[False] = False
 

@@ -146,6 +146,14 @@ def test_stop_string_cuts_the_text(client):
     assert cut.text == free[:free.index(stop)]
 
 
+def test_null_fields_mean_defaults(url):
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": None, "temperature": None,
+            "top_p": None, "n": None, "seed": None, "logprobs": None, "stop": None}
+    r = httpx.post(f"{url}/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] <= 16
+
+
 def test_score(url):
     body = {"model": MODEL, "token_ids": [5, 6, 7, 8, 9], "start": 2}
     out = httpx.post(f"{url}/v1/score", json=body).json()
