@@ -45,8 +45,8 @@ async def replay(svc: Services, tenant: str, record_id: str, load: int) -> dict:
     if record["status"] != "complete":
         raise Conflict(f"record '{record_id}' is {record['status']}: nothing to compare",
                        code="record_not_complete")
-    worker = svc.router.choose(record["model"], fingerprint=record["system_fingerprint"])
     try:
+        worker = svc.router.choose(record["model"], fingerprint=record["system_fingerprint"])
         comparison = await _run(svc, record, worker, load)
     except GatewayError:
         svc.metrics.replays.labels("error").inc()

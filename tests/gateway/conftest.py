@@ -55,15 +55,17 @@ class Gateway:
 
 
 def _gateway_starter(redis_url: str, log_dir: Path) -> Iterator:
-    """`start(workers, api_keys="", redis=..., env={}, wait="/readyz")` -> Gateway.
+    """`start(workers, api_keys="", redis=..., env={}, wait="/readyz", prefix=None)` -> Gateway.
 
-    Each gateway gets its own Redis key prefix; its keys are deleted afterwards."""
+    Each gateway gets its own Redis key prefix (or shares `prefix` with an earlier one); its
+    keys are deleted afterwards."""
     started: list[Gateway] = []
 
     def start(workers: list[str], *, api_keys: str = "", redis: str | None = None,
-              env: dict[str, str] | None = None, wait: str = "/readyz") -> Gateway:
+              env: dict[str, str] | None = None, wait: str = "/readyz",
+              prefix: str | None = None) -> Gateway:
         port = free_port()
-        prefix = f"detgate-test-{secrets.token_hex(4)}"
+        prefix = prefix or f"detgate-test-{secrets.token_hex(4)}"
         url = f"http://127.0.0.1:{port}"
         proc_env = {
             "DETGATE_HOST": "127.0.0.1", "DETGATE_PORT": str(port),

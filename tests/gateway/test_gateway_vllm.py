@@ -207,3 +207,18 @@ def test_attempt_timeout_gives_504_and_a_failed_record(start_gateway, vllm_worke
         rec = http.get(f"/v1/requests/{r.headers['x-detgate-record-id']}").json()
     assert rec["status"] == "failed" and rec["choices"] == []
     assert len(vllm_worker.forwarded()) == 1  # the only worker: no second attempt
+
+
+def test_replay_needs_a_worker_with_the_same_fingerprint(start_gateway, vllm_worker):
+    """The same worker under other operator labels counts as another configuration: 409."""
+    first = start_gateway([vllm_worker.url], env={"DETGATE_WORKER_LABELS": "gpu=H200"})
+    rid = first.client().chat.completions.create(model=MODEL, messages=MSG).id
+    first.proc.stop()
+    second = start_gateway([vllm_worker.url], env={"DETGATE_WORKER_LABELS": "gpu=A100"},
+                           prefix=first.prefix)
+    with second.http() as http:
+        assert http.get(f"/v1/requests/{rid}").status_code == 200
+        r = http.post(f"/replay/{rid}", json={})
+    assert r.status_code == 409
+    assert r.json()["error"]["code"] == "no_matching_worker"
+    assert second.metric("detgate_replays_total", result="error") == 1
