@@ -67,8 +67,9 @@ def load(
     return LoadedModel(model, config, tokenizer, parts)
 
 
-def fingerprint_parts(weights_sha256: str, config_sha256: str, mode: str, dtype: torch.dtype,
-                      device: torch.device) -> dict[str, str]:
+def fingerprint_parts(
+    weights_sha256: str, config_sha256: str, mode: str, dtype: torch.dtype, device: torch.device
+) -> dict[str, str]:
     """Everything besides the weights and config that can change the numbers."""
     return {
         "weights_sha256": weights_sha256,
@@ -105,7 +106,7 @@ def load_weights(model: CausalLM, files: list[Path]) -> None:
                     continue  # recomputed from config.json
                 if name == "lm_head.weight" and model.lm_head is None:
                     continue  # tied: the embedding is the head
-                target, shard = _target(name)
+                target, shard = packed_name(name)
                 if target not in params:
                     raise CheckpointError(f"{file.name}: tensor {name} has no place in the model")
                 dest = params[target].data
@@ -127,7 +128,7 @@ def load_weights(model: CausalLM, files: list[Path]) -> None:
         raise CheckpointError(f"tensors missing from the checkpoint: {missing[:5]}")
 
 
-def _target(name: str) -> tuple[str, int | None]:
+def packed_name(name: str) -> tuple[str, int | None]:
     parts = name.split(".")
     if len(parts) >= 2 and parts[-2] in _PACKED:
         packed, shard = _PACKED[parts[-2]]

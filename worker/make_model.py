@@ -141,7 +141,7 @@ def make_model(preset_name: str, out: Path, seed: int) -> None:
     preset = PRESETS[preset_name]
     out.mkdir(parents=True, exist_ok=True)
     vocab_size, eos_ids = write_tokenizer(out, preset)
-    _write_json(out / "config.json", _hf_config(preset, vocab_size, eos_ids[0]))
+    _write_json(out / "config.json", hf_config(preset, vocab_size, eos_ids[0]))
     _write_weights(out, preset, vocab_size, seed)
 
 
@@ -169,7 +169,7 @@ def write_tokenizer(out: Path, preset: Preset) -> tuple[int, list[int]]:
     return vocab_size, eos_ids
 
 
-def _hf_config(p: Preset, vocab_size: int, eos_id: int) -> dict:
+def hf_config(p: Preset, vocab_size: int, eos_id: int) -> dict:
     return {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
@@ -194,40 +194,50 @@ def _hf_config(p: Preset, vocab_size: int, eos_id: int) -> dict:
 
 
 @dataclass(frozen=True)
-class _Tensor:
+class CheckpointTensor:
     name: str
     shape: tuple[int, ...]
     std: float  # 0: a norm weight, drawn around 1
 
 
-def _tensors(p: Preset, vocab_size: int) -> Iterator[_Tensor]:
+def checkpoint_tensors(p: Preset, vocab_size: int) -> Iterator[CheckpointTensor]:
     """The checkpoint's tensors under their Hugging Face names, in file order."""
     h, d = p.hidden_size, p.head_dim
-    yield _Tensor("model.embed_tokens.weight", (vocab_size, h), LOGIT_STD / math.sqrt(h))
+    yield CheckpointTensor("model.embed_tokens.weight", (vocab_size, h), LOGIT_STD / math.sqrt(h))
     for i in range(p.num_layers):
         pre = f"model.layers.{i}"
-        yield _Tensor(f"{pre}.input_layernorm.weight", (h,), 0.0)
-        yield _Tensor(f"{pre}.self_attn.q_proj.weight", (p.num_heads * d, h), 1 / math.sqrt(h))
-        yield _Tensor(f"{pre}.self_attn.k_proj.weight", (p.num_kv_heads * d, h), 1 / math.sqrt(h))
-        yield _Tensor(f"{pre}.self_attn.v_proj.weight", (p.num_kv_heads * d, h), 1 / math.sqrt(h))
-        yield _Tensor(f"{pre}.self_attn.q_norm.weight", (d,), 0.0)
-        yield _Tensor(f"{pre}.self_attn.k_norm.weight", (d,), 0.0)
-        yield _Tensor(
+        yield CheckpointTensor(f"{pre}.input_layernorm.weight", (h,), 0.0)
+        yield CheckpointTensor(
+            f"{pre}.self_attn.q_proj.weight", (p.num_heads * d, h), 1 / math.sqrt(h)
+        )
+        yield CheckpointTensor(
+            f"{pre}.self_attn.k_proj.weight", (p.num_kv_heads * d, h), 1 / math.sqrt(h)
+        )
+        yield CheckpointTensor(
+            f"{pre}.self_attn.v_proj.weight", (p.num_kv_heads * d, h), 1 / math.sqrt(h)
+        )
+        yield CheckpointTensor(f"{pre}.self_attn.q_norm.weight", (d,), 0.0)
+        yield CheckpointTensor(f"{pre}.self_attn.k_norm.weight", (d,), 0.0)
+        yield CheckpointTensor(
             f"{pre}.self_attn.o_proj.weight",
             (h, p.num_heads * d),
             RESIDUAL_GAIN / math.sqrt(p.num_heads * d),
         )
-        yield _Tensor(f"{pre}.post_attention_layernorm.weight", (h,), 0.0)
-        yield _Tensor(f"{pre}.mlp.gate_proj.weight", (p.intermediate_size, h), 1 / math.sqrt(h))
-        yield _Tensor(f"{pre}.mlp.up_proj.weight", (p.intermediate_size, h), 1 / math.sqrt(h))
-        yield _Tensor(
+        yield CheckpointTensor(f"{pre}.post_attention_layernorm.weight", (h,), 0.0)
+        yield CheckpointTensor(
+            f"{pre}.mlp.gate_proj.weight", (p.intermediate_size, h), 1 / math.sqrt(h)
+        )
+        yield CheckpointTensor(
+            f"{pre}.mlp.up_proj.weight", (p.intermediate_size, h), 1 / math.sqrt(h)
+        )
+        yield CheckpointTensor(
             f"{pre}.mlp.down_proj.weight",
             (h, p.intermediate_size),
             RESIDUAL_GAIN / math.sqrt(p.intermediate_size),
         )
-    yield _Tensor("model.norm.weight", (h,), 0.0)
+    yield CheckpointTensor("model.norm.weight", (h,), 0.0)
     if not p.tie_word_embeddings:
-        yield _Tensor("lm_head.weight", (vocab_size, h), LOGIT_STD / math.sqrt(h))
+        yield CheckpointTensor("lm_head.weight", (vocab_size, h), LOGIT_STD / math.sqrt(h))
 
 
 # Random draws are split into blocks of rows of about this many values, each from its own
@@ -236,7 +246,9 @@ def _tensors(p: Preset, vocab_size: int) -> Iterator[_Tensor]:
 _DRAW_BLOCK = 1 << 24
 
 
-def _draw(t: _Tensor, seed: int, dtype: torch.dtype, pool: ThreadPoolExecutor) -> torch.Tensor:
+def _draw(
+    t: CheckpointTensor, seed: int, dtype: torch.dtype, pool: ThreadPoolExecutor
+) -> torch.Tensor:
     out = torch.empty(t.shape, dtype=dtype)
     rows = out.view(t.shape[0], -1)
     step = max(1, _DRAW_BLOCK // rows.shape[1])
@@ -257,8 +269,8 @@ def _write_weights(out: Path, p: Preset, vocab_size: int, seed: int) -> None:
     Only one shard is in memory at a time."""
     dtype = getattr(torch, p.dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    tensors_list = list(_tensors(p, vocab_size))
-    shards: list[list[_Tensor]] = [[]]
+    tensors_list = list(checkpoint_tensors(p, vocab_size))
+    shards: list[list[CheckpointTensor]] = [[]]
     size = 0
     for t in tensors_list:
         nbytes = math.prod(t.shape) * itemsize

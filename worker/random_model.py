@@ -3,10 +3,11 @@
 The GPU experiment runs the qwen3-8b-shape preset without writing or reading its 16 GB
 checkpoint: config.json and the tokenizer are written exactly as `detgate make-model` writes
 them (into a folder of their own), and every weight is drawn on the model's device. The tensors,
-their names and their scales are make-model's (`_tensors`); each is drawn from a generator of
-the device's type seeded by (seed, tensor name), so the weights depend only on the preset, the
-seed and the device type, never on drawing order. They are not the bits of the safetensors
-make-model writes (those are drawn on the CPU): the fingerprint says "random:<preset>:<seed>".
+their names and their scales are make-model's (`checkpoint_tensors`); each is drawn from a
+generator of the device's type seeded by (seed, tensor name), so the weights depend only on the
+preset, the seed and the device type, never on drawing order. They are not the bits of the
+safetensors make-model writes (those are drawn on the CPU): the fingerprint says
+"random:<preset>:<seed>".
 Real checkpoints keep going through `worker.loader.load`.
 """
 
@@ -20,8 +21,8 @@ from pathlib import Path
 import torch
 
 from worker.config import DTYPES, ModelConfig
-from worker.loader import LoadedModel, _target, fingerprint_parts
-from worker.make_model import PRESETS, _hf_config, _tensors, write_tokenizer
+from worker.loader import LoadedModel, fingerprint_parts, packed_name
+from worker.make_model import PRESETS, checkpoint_tensors, hf_config, write_tokenizer
 from worker.models import build_model
 from worker.models.decoder import CausalLM
 from worker.models.layers.linear import Linear
@@ -40,8 +41,8 @@ def load_random(preset_name: str, folder: Path, *, seed: int, device: str | torc
     if not (folder / "config.json").exists():
         folder.mkdir(parents=True, exist_ok=True)
         vocab_size, eos_ids = write_tokenizer(folder, preset)
-        hf_config = _hf_config(preset, vocab_size, eos_ids[0])
-        (folder / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        raw_config = hf_config(preset, vocab_size, eos_ids[0])
+        (folder / "config.json").write_text(json.dumps(raw_config, indent=2) + "\n")
     config_bytes = (folder / "config.json").read_bytes()
     config = ModelConfig.from_dict(json.loads(config_bytes), dtype)
     tokenizer = Tokenizer.from_folder(folder, extra_eos_ids=config.eos_token_ids)
@@ -58,8 +59,8 @@ def load_random(preset_name: str, folder: Path, *, seed: int, device: str | torc
 def fill_random(model: CausalLM, preset, vocab_size: int, seed: int) -> None:
     """Draw every checkpoint tensor of `preset` into its (possibly packed) parameter."""
     params = dict(model.named_parameters())
-    for t in _tensors(preset, vocab_size):
-        target, shard = _target(t.name)
+    for t in checkpoint_tensors(preset, vocab_size):
+        target, shard = packed_name(t.name)
         dest = params[target].data
         if shard is not None:
             linear = model.get_submodule(target.rsplit(".", 1)[0])

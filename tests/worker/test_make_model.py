@@ -47,7 +47,7 @@ def test_sharded_write_loads_the_same_weights(tiny_model, tmp_path, monkeypatch)
 
 def test_qwen3_8b_shape_is_the_real_configuration():
     p = mm.PRESETS["qwen3-8b-shape"]
-    config = mm._hf_config(p, 151936, 2)
+    config = mm.hf_config(p, 151936, 2)
     assert {k: config[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                                    "num_key_value_heads", "head_dim", "intermediate_size",
                                    "vocab_size", "rope_theta", "tie_word_embeddings",
@@ -58,7 +58,7 @@ def test_qwen3_8b_shape_is_the_real_configuration():
         "max_position_embeddings": 40960, "torch_dtype": "bfloat16",
     }  # fmt: skip
     # Qwen3-8B's published parameter count.
-    assert sum(math.prod(t.shape) for t in mm._tensors(p, 151936)) == 8_190_735_360
+    assert sum(math.prod(t.shape) for t in mm.checkpoint_tensors(p, 151936)) == 8_190_735_360
 
 
 def test_qwen3_8b_shape_tokenizer_is_padded_to_the_vocabulary(tmp_path):
