@@ -10,7 +10,7 @@ import pytest
 
 from worker.engine import AsyncEngine, Engine
 from worker.engine_config import EngineConfig
-from worker.errors import InvalidRequest
+from worker.errors import EngineDead, InvalidRequest
 from worker.loader import load
 from worker.sequence import SamplingParams
 
@@ -165,5 +165,30 @@ async def test_async_engine_batches_concurrent_requests_and_aborts(tiny_model):
                 break
             await asyncio.sleep(0.01)
         assert not eng.has_work() and eng.block_manager.num_free_blocks == 64
+    finally:
+        await async_engine.stop()
+
+
+async def test_a_failed_step_fails_its_requests_and_the_loop_goes_on(tiny_model):
+    eng = engine(tiny_model, num_kv_blocks=32)
+    real_run, calls = eng.runner.run, []
+
+    def fails_once(batch):
+        calls.append(batch)
+        if len(calls) == 1:
+            raise RuntimeError("injected failure")
+        return real_run(batch)
+
+    eng.runner.run = fails_once
+    async_engine = AsyncEngine(eng)
+    async_engine.start()
+    try:
+        ids = prompts(1)[0]
+        with pytest.raises(EngineDead, match="injected failure"):
+            async for _ in async_engine.generate("a", ids, GREEDY):
+                pass
+        outputs = [o async for o in async_engine.generate("b", ids, GREEDY)]
+        assert outputs[-1].finished and outputs[-1].finish_reason == "length"
+        assert eng.block_manager.num_free_blocks == 32
     finally:
         await async_engine.stop()
