@@ -19,7 +19,8 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B+1] int32
     seq_lens: torch.Tensor  # [B] int32: cached + new tokens
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0 or -1
-    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset; < 0 = do not store
+    # [T] int64: block_id * block_size + offset, all >= 0 (padding rows get a padding block)
+    slot_mapping: torch.Tensor
     max_query_len: int
     max_seq_len: int
 

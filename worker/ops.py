@@ -14,9 +14,8 @@ import torch.nn.functional as F
 
 from worker.attention_metadata import AttentionMetadata
 
-KVCache = tuple[
-    torch.Tensor, torch.Tensor
-]  # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
+# (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
+KVCache = tuple[torch.Tensor, torch.Tensor]
 
 MODES = ("default", "batch_invariant")
 
