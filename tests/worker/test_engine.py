@@ -99,6 +99,24 @@ def test_score_equals_sampled_logprobs(tiny_model):
     assert [t.logprob for t in scored[len(ids) - 1:]] == [lp for _, lp in sampled["a"]]
 
 
+def test_prompt_logprobs_survive_chunking_and_match_a_single_pass(tiny_model):
+    ids = prompts(1, seed=11, lo=45, hi=46)[0]
+
+    def prompt_logprobs(eng, params):
+        eng.add("p", ids, params)
+        found = None
+        while eng.has_work():
+            for o in eng.step()[0]:
+                found = o.prompt_logprobs if o.prompt_logprobs is not None else found
+        return [(t.token_id, t.logprob, t.rank, t.top) for t in found]
+
+    single = prompt_logprobs(engine(tiny_model),
+                             SamplingParams(max_tokens=0, prompt_logprobs=3, single_pass=True))
+    chunked = prompt_logprobs(engine(tiny_model, chunk_size=7),
+                              SamplingParams(max_tokens=2, prompt_logprobs=3))
+    assert len(single) == len(ids) - 1 and chunked == single
+
+
 def test_seeded_sampling_repeats_alone_and_in_a_batch(tiny_model):
     ids = prompts(1, seed=7)[0]
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=1234, logprobs=0, ignore_eos=True)

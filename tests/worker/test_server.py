@@ -7,6 +7,7 @@ import json
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -75,6 +76,8 @@ def test_completion_logprobs_and_token_ids(client):
     for lp, top in zip(choice.logprobs.token_logprobs, choice.logprobs.top_logprobs, strict=True):
         assert len(top) <= 3 and lp == max(top.values())
     assert "".join(choice.logprobs.tokens) == choice.text
+    # The JSON floats are the engine's float32 values exactly (no float64 arithmetic on the way).
+    assert all(float(np.float32(lp)) == lp for lp in choice.logprobs.token_logprobs)
 
 
 def test_prompt_logprobs(url):
