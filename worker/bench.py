@@ -3,7 +3,8 @@
 The engine is driven in process (no HTTP): every request of the workload is submitted at once
 and the engine steps until all are done, batching them continuously as the server would.
 Modes alternate (default, batch_invariant, batch_invariant, default, ...) so that drift in a
-shared machine's load hits both alike; the ratio is of the median wall times. Writes JSON with
+shared machine's load hits both alike; the ratio is of the median wall times, and of the
+fastest runs (the least disturbed by other load) alongside. Writes JSON with
 the device, versions and commit to bench/results/ (and to --json OUT).
 """
 
@@ -83,6 +84,7 @@ def main(args) -> int:
                   f"{runs[mode][-1]['generated_tokens_per_s']:8.1f} generated tokens/s", flush=True)
     summary = {mode: _summary(runs[mode]) for mode in MODES}
     ratio = summary["batch_invariant"]["median_wall_s"] / summary["default"]["median_wall_s"]
+    ratio_min = summary["batch_invariant"]["min_wall_s"] / summary["default"]["min_wall_s"]
     report = {
         "benchmark": "engine", "date": datetime.datetime.now(datetime.UTC).isoformat(),
         "commit": _commit(), "device": _device(base), "versions": _versions(),
@@ -91,6 +93,7 @@ def main(args) -> int:
                      "max_tokens": args.max_tokens, "sampling": "greedy, logprobs=0, ignore_eos",
                      "repeats": args.repeats},
         "summary": summary, "time_ratio_batch_invariant_over_default": ratio,
+        "time_ratio_of_fastest_runs": ratio_min,
         "goal": "batch_invariant <= 1.2x default time on CPU", "runs": runs,
     }
     data = json.dumps(report, indent=2)
@@ -104,7 +107,8 @@ def main(args) -> int:
         s = summary[mode]
         print(f"{mode:16s} median {s['median_wall_s']:.2f} s, "
               f"{s['generated_tokens_per_s']:.1f} generated tokens/s")
-    print(f"batch_invariant / default time: {ratio:.3f}x")
+    print(f"batch_invariant / default time: {ratio:.3f}x (medians), "
+          f"{ratio_min:.3f}x (fastest runs)")
     return 0
 
 
