@@ -141,35 +141,47 @@ def _padded_sdpa(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Gather every sequence's K/V into a padded batch and run one masked SDPA call."""
+    """Gather every sequence's K/V into a padded batch and run one masked SDPA call.
+
+    GQA without copying K/V per query head: the q heads of a group are extra query rows of
+    their kv head (rows ordered query, then head of the group), so SDPA sees equal head counts
+    and can take a fused kernel with a mask (SDPA's enable_gqa with a mask falls back to the
+    math kernel, which expands K/V to every q head).
+    """
     block_size = k_cache.shape[1]
     num_blocks = -(-meta.max_seq_len // block_size)
     qsl = meta.query_start_loc.long()
     q_lens = qsl[1:] - qsl[:-1]  # [B]
     seq_lens = meta.seq_lens.long()  # [B]
     device = q.device
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k_cache.shape[2]
+    group = hq // hkv
 
     tables = meta.block_tables[:, :num_blocks].long().clamp(min=0)  # [B, nb]
     b, nb = tables.shape
-    keys = k_cache[tables].reshape(b, nb * block_size, *k_cache.shape[2:]).transpose(1, 2)
-    values = v_cache[tables].reshape(b, nb * block_size, *v_cache.shape[2:]).transpose(1, 2)
+    keys = k_cache[tables].reshape(b, nb * block_size, hkv, d).transpose(1, 2)
+    values = v_cache[tables].reshape(b, nb * block_size, hkv, d).transpose(1, 2)
     # keys, values: [B, Hkv, L, D]
 
-    j = torch.arange(meta.max_query_len, device=device)
+    max_q = meta.max_query_len
+    j = torch.arange(max_q, device=device)
     q_valid = j[None, :] < q_lens[:, None]  # [B, max_q]
     token = torch.where(q_valid, qsl[:-1, None] + j[None, :], 0)
-    queries = q[token].transpose(1, 2)  # [B, Hq, max_q, D]
+    queries = q[token].view(b, max_q, hkv, group, d).permute(0, 2, 1, 3, 4)
+    queries = queries.reshape(b, hkv, max_q * group, d)  # [B, Hkv, max_q * G, D]
     # Padding queries get positions >= seq_len, so every row sees at least one key (no NaN rows).
     q_pos = seq_lens[:, None] - q_lens[:, None] + j[None, :]  # [B, max_q]
     k_pos = torch.arange(nb * block_size, device=device)
     mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (
         k_pos[None, None, :] < seq_lens[:, None, None]
     )
+    mask = mask.repeat_interleave(group, dim=1)  # [B, max_q * G, L]
 
-    out = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=mask[:, None], scale=scale, enable_gqa=True
-    )
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask[:, None],
+                                         scale=scale)
+    out = out.view(b, hkv, max_q, group, d).permute(0, 2, 1, 3, 4).reshape(b, max_q, hq, d)
     # Back to token order by index, not by boolean mask: no host sync (CUDA graphs need none).
     t = torch.arange(q.shape[0], device=device)
     seq_of = torch.searchsorted(qsl[1:], t, right=True)  # [T]
-    return out.transpose(1, 2)[seq_of, t - qsl[seq_of]]  # [T, Hq, D]
+    return out[seq_of, t - qsl[seq_of]]  # [T, Hq, D]
