@@ -40,9 +40,14 @@ from worker.engine import Engine
 from worker.engine_config import EngineConfig
 from worker.loader import load
 from worker.make_model import PRESETS
+from worker.ops import make_ops
 from worker.random_model import load_random
 
 MODES = ("default", "batch_invariant")
+# Cost reference on CUDA: default mode with our paged attention kernel instead of gathered K/V
+# + torch SDPA, so the ratio can also be read with the same attention on both sides (what the
+# invariant matmuls and norms alone cost).
+REFERENCE = "default_paged_attention"
 T0 = time.time()
 
 
@@ -68,8 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-mb", type=int, default=None, help="per engine (CUDA: 24 GiB)")
+    p.add_argument("--kv-cache-mb", type=int, default=None, help="per engine (CUDA: 20 GiB)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--no-reference", action="store_true",
+                   help=f"CUDA: skip the {REFERENCE} cost reference")
     p.add_argument("--deadline", type=float, default=400.0, help="seconds; later phases skip")
     return p
 
@@ -94,6 +101,7 @@ class Experiment:
         self.out.mkdir(parents=True, exist_ok=True)
         self.result: dict = {"environment": environment(args.device), "args": vars(args)}
         self.engines: dict[str, Engine] = {}
+        self.reference: Engine | None = None
         self.det_reqs: list[wl.Request] = []
         self.det_out: dict[str, dict[str, wl.Completion]] = {}
 
@@ -119,29 +127,35 @@ class Experiment:
     # -- phases ----------------------------------------------------------------------------
 
     def build(self) -> dict:
-        a = self.args
         info = {}
         for mode in MODES:
-            start = time.time()
-            if a.model in PRESETS:
-                loaded = load_random(a.model, self.out / f"{a.model}-config", seed=a.seed,
-                                     device=a.device, mode=mode, dtype=a.dtype)
-            else:
-                loaded = load(a.model, dtype=a.dtype, device=a.device, mode=mode)
-            kv_mb = a.kv_cache_mb or (24 * 1024 if a.device == "cuda" else None)
-            config = EngineConfig(
-                model=a.model, mode=mode, device=a.device, dtype=a.dtype,
-                max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                block_size=a.block_size, kv_cache_mb=kv_mb, enforce_eager=a.enforce_eager)
-            engine = Engine(config, loaded.model, loaded.config)
-            self.engines[mode] = engine
-            self.vocab_size = loaded.config.vocab_size
-            info[mode] = {"seconds": round(time.time() - start, 1),
-                          "kv_blocks": engine.runner.num_kv_blocks,
-                          "cuda_graphs": engine.runner.graphs is not None,
-                          "fingerprint_parts": loaded.fingerprint_parts}
-        info["parameters"] = sum(p.numel() for p in loaded.model.parameters())
+            self.engines[mode], info[mode] = self._engine(mode)
+        if self.args.device == "cuda" and not self.args.no_reference:
+            self.reference, info[REFERENCE] = self._engine("default", paged_attention=True)
         return info
+
+    def _engine(self, mode: str, paged_attention: bool = False) -> tuple[Engine, dict]:
+        a = self.args
+        start = time.time()
+        if a.model in PRESETS:
+            loaded = load_random(a.model, self.out / f"{a.model}-config", seed=a.seed,
+                                 device=a.device, mode=mode, dtype=a.dtype)
+        else:
+            loaded = load(a.model, dtype=a.dtype, device=a.device, mode=mode)
+        if paged_attention:  # every layer shares the model's one ops object
+            loaded.model.ops.attention = make_ops("batch_invariant").attention
+        kv_mb = a.kv_cache_mb or (20 * 1024 if a.device == "cuda" else None)
+        config = EngineConfig(
+            model=a.model, mode=mode, device=a.device, dtype=a.dtype,
+            max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+            block_size=a.block_size, kv_cache_mb=kv_mb, enforce_eager=a.enforce_eager)
+        engine = Engine(config, loaded.model, loaded.config)
+        self.vocab_size = loaded.config.vocab_size
+        return engine, {"seconds": round(time.time() - start, 1),
+                        "kv_blocks": engine.runner.num_kv_blocks,
+                        "cuda_graphs": engine.runner.graphs is not None,
+                        "parameters": sum(p.numel() for p in loaded.model.parameters()),
+                        "fingerprint_parts": loaded.fingerprint_parts}
 
     def warmup(self) -> dict:
         """Compile kernels and capture graphs before anything is timed."""
@@ -149,7 +163,8 @@ class Experiment:
         small = self.args.small
         reqs = wl.cost_workload(requests=8 if small else 48, prompt=(4, 40 if small else 300),
                                 output=(2, 24), vocab_size=self.vocab_size, seed=99)
-        for mode, engine in self.engines.items():
+        engines = {**self.engines, **({REFERENCE: self.reference} if self.reference else {})}
+        for mode, engine in engines.items():
             start = time.time()
             graphs = engine.runner.graphs
             captured = graphs.capture_all(1024) if graphs is not None else 0
@@ -189,6 +204,13 @@ class Experiment:
                              "tokens_per_s": stats.generated_tokens / stats.seconds}
                 log(mode, row[mode])
             row["ratio"] = row["batch_invariant"]["seconds"] / row["default"]["seconds"]
+            if self.reference is not None:
+                _, stats = wl.run(self.reference, reqs, arrival_seed=None)
+                row[REFERENCE] = {**stats.__dict__,
+                                  "tokens_per_s": stats.generated_tokens / stats.seconds}
+                log(REFERENCE, row[REFERENCE])
+                row["ratio_vs_reference"] = (row["batch_invariant"]["seconds"]
+                                             / row[REFERENCE]["seconds"])
             passes.append(row)
         ratios = [p["ratio"] for p in passes]
         return {"requests": len(reqs), "output_tokens": sum(r.params.max_tokens for r in reqs),
@@ -196,14 +218,15 @@ class Experiment:
 
     def cost_eager(self) -> dict:
         """The cost workload again with every step eager: what the CUDA graphs buy."""
-        saved = {mode: engine.runner.graphs for mode, engine in self.engines.items()}
+        engines = [*self.engines.values(), *([self.reference] if self.reference else [])]
+        saved = [engine.runner.graphs for engine in engines]
         try:
-            for engine in self.engines.values():
+            for engine in engines:
                 engine.runner.graphs = None
             return self.cost()
         finally:
-            for mode, engine in self.engines.items():
-                engine.runner.graphs = saved[mode]
+            for engine, graphs in zip(engines, saved, strict=True):
+                engine.runner.graphs = graphs
 
     def score(self) -> dict:
         """Sampled needles and fillers, scored teacher-forced, all in one batch."""
@@ -373,6 +396,11 @@ def summary_table(result: dict) -> str:
         ratios = ", ".join(f"{p['ratio']:.3f}" for p in passes)
         lines.append(f"\nbatch_invariant / default wall time: {ratios} (mean "
                      f"{cost['ratio_mean']:.3f})")
+    if passes and REFERENCE in passes[0]:
+        ref = passes[0][REFERENCE]
+        lines.append(f"{REFERENCE} (same attention kernel as batch_invariant): "
+                     f"{ref['seconds']:.2f} s, {ref['tokens_per_s']:.0f} tokens/s; "
+                     f"batch_invariant / it: {passes[0]['ratio_vs_reference']:.3f}")
     if eager:
         lines.append(f"without CUDA graphs: {result['cost_eager']['ratio_mean']:.3f}")
     return "\n".join(lines)
