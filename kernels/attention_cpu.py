@@ -1,21 +1,24 @@
 """Paged attention on the CPU in plain torch, with one KV reduction order per query.
 
 Order (the invariant): keys are taken by POSITION in tiles of `KV_TILE` positions (tile t
-holds positions [t*KV_TILE, (t+1)*KV_TILE), whatever the cache's block size), and each query
-folds the tiles in ascending order into an online softmax (running max, sum and weighted V).
-A tile after the query's position leaves the query's state untouched (`torch.where`, not an
-add of zeros), so decode (1 query, short key range) and prefill (many queries, the longest
-key range of the batch) apply exactly the same tile updates to a given query. On the CPU the
-whole KV range is one split, which is a fixed split size too.
+holds positions [t*KV_TILE, (t+1)*KV_TILE), whatever the cache's block size). For each query:
+- the softmax max is the max over its visible keys (exact: no order);
+- each tile's contribution (sum of p, and p @ V) is a GEMM or a row sum of fixed shape;
+- the tile contributions are added in tile order by `cumsum`, which runs strictly sequentially
+  along the tile axis (in double), so tiles after the query's last visible key, all exact
+  zeros, leave its sums unchanged: decode (1 query, the batch's key range) and prefill (many
+  queries, a longer key range) add up the same numbers in the same order. On the CPU the whole
+  KV range is one split, which is a fixed split size too.
 
 Every product is an fp32 batched GEMM with fixed inner shapes (q.k: K = head dim, N =
 KV_TILE; p.v: K = KV_TILE, N = head dim) whose row count varies with the number of queries;
 MKL's GEMM gives each row the same bits for every row count from `invariant_rows` on
 (measured, see kernels/cpu.py), and for every number of matrices in the batch.
 
-Layout: everything is [Hkv, B, rows, ...] so that (kv head, sequence) pairs merge into one
-GEMM batch dimension without copies; rows of a (sequence, kv head) are (query j, head g of
-the group) at j * group + g.
+The whole call is a fixed, small number of torch ops (no loop over tiles or sequences): on
+small models the per-op overhead, not the arithmetic, is what costs. Layout: [Hkv, B, ...] so
+that (kv head, sequence) pairs merge into one GEMM batch dimension without copies; rows of a
+(sequence, kv head) are (query j, head g of the group) at j * group + g.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ import torch
 from kernels.cpu import invariant_rows
 
 KV_TILE = 64
-# Position given to padding rows: after every key, so they never force a mask.
+# Rows are processed in chunks so that the scores of one chunk stay within this many floats.
+_SCORE_BUDGET = 1 << 24
+# Position given to padding rows: after every key (finite scores, never used).
 _NEVER = 1 << 30
 
 
@@ -47,6 +52,27 @@ def _gather_kv(cache: torch.Tensor, slots: torch.Tensor, invalid: torch.Tensor) 
     return rows.float().contiguous().masked_fill_(invalid[None, :, :, None], 0.0)
 
 
+def _attend(qp: torch.Tensor, row_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+            ) -> torch.Tensor:
+    """Rows qp [Hkv, B, R, D] at positions row_pos [B, R] over keys k, v [Hkv, B, L, D]."""
+    hkv, batch, rows, d = qp.shape
+    tiles = k.shape[2] // KV_TILE
+    k_t = k.view(hkv * batch, tiles, KV_TILE, d).transpose(-1, -2)  # [HB, T, D, TILE]
+    v_t = v.view(hkv * batch, tiles, KV_TILE, d)
+    q_t = qp.reshape(hkv * batch, 1, rows, d).expand(-1, tiles, -1, -1)
+    s = torch.matmul(q_t, k_t).view(hkv, batch, tiles, rows, KV_TILE)
+    key_pos = torch.arange(tiles * KV_TILE).view(1, 1, tiles, 1, KV_TILE)
+    seen = (key_pos <= row_pos.view(1, batch, 1, rows, 1)).float()  # 1 where the key is visible
+    m = torch.where(seen > 0, s, float("-inf")).amax(dim=(2, 4), keepdim=True)
+    # exp of -inf (or of anything that underflows) takes a slow path on x86: exponentiate
+    # zeros where keys are hidden, then zero those probabilities exactly.
+    p = torch.exp((s - m) * seen) * seen
+    denom = p.sum(-1).cumsum(2)[:, :, -1]  # [Hkv, B, R]
+    pv = torch.matmul(p.view(hkv * batch, tiles, rows, KV_TILE), v_t)  # [HB, T, R, D]
+    acc = pv.cumsum(1)[:, -1].view(hkv, batch, rows, d)
+    return acc / denom[..., None]
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
@@ -58,7 +84,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     lens = seq_lens.tolist()
     batch = len(lens)
     qlens = [starts[i + 1] - starts[i] for i in range(batch)]
-    first_pos = [n - qn for n, qn in zip(lens, qlens, strict=True)]
     num_tiles = -(-max(lens) // KV_TILE)
 
     # Key slots by position: position p of sequence b lives at block_tables[b, p // block_size].
@@ -71,7 +96,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     v = _gather_kv(v_cache, slots, invalid)
 
     # Queries as rows [Hkv, B, R, D], padded to a row count the GEMM is invariant at, with the
-    # softmax scale folded in once.
+    # softmax scale folded in once; row_pos [B, R] holds each row's query position.
     rows = invariant_rows(max(qlens) * group)
     seq_of = torch.repeat_interleave(torch.arange(batch), torch.tensor(qlens),
                                      output_size=num_tokens)
@@ -80,39 +105,22 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     qp = torch.zeros(hkv, batch, rows, d)
     qp[:, seq_of[:, None], row_of] = (q.float() * scale).view(num_tokens, hkv, group, d
                                                               ).permute(1, 0, 2, 3)
-    # Each row's query position; padding rows see every key (finite, never used), so only
-    # real rows decide whether a tile needs masking.
     row_pos = torch.full((batch, rows), _NEVER)
-    row_pos[seq_of[:, None], row_of] = (torch.tensor(first_pos)[seq_of] + j_of)[:, None]
+    first_pos = torch.tensor([n - qn for n, qn in zip(lens, qlens, strict=True)])
+    row_pos[seq_of[:, None], row_of] = (first_pos[seq_of] + j_of)[:, None]
 
-    m = torch.full((hkv, batch, rows, 1), float("-inf"))
-    denom = torch.zeros(hkv, batch, rows, 1)
-    acc = torch.zeros(hkv, batch, rows, d)
-    for t in range(num_tiles):
-        lo, hi = t * KV_TILE, (t + 1) * KV_TILE
-        # Rows are in query order inside each sequence, so the rows that see this tile are a
-        # suffix of each sequence's rows; compute from the earliest such row on, rounded to a
-        # row count the GEMM is invariant at (rows outside the suffix keep their state).
-        firsts = [max(0, lo - f) * group for f, n in zip(first_pos, lens, strict=True) if lo < n]
-        r0 = rows - invariant_rows(rows - min(firsts))
-        rpos = row_pos[None, :, r0:, None]  # [1, B, R', 1]
-        low = int(rpos.amin())
-        s = torch.matmul(qp[:, :, r0:], k[:, :, lo:hi].transpose(-1, -2))  # [Hkv, B, R', TILE]
-        if low < hi - 1:  # some row sees only part of the tile
-            s = torch.where(pos[lo:hi] <= rpos, s, float("-inf"))
-        m_old, denom_old, acc_old = m[:, :, r0:], denom[:, :, r0:], acc[:, :, r0:]
-        m_new = torch.maximum(m_old, s.amax(-1, keepdim=True))
-        p = torch.exp(s - m_new)
-        alpha = torch.exp(m_old - m_new)
-        denom_new = denom_old * alpha + p.sum(-1, keepdim=True)
-        acc_new = acc_old * alpha + torch.matmul(p, v[:, :, lo:hi])
-        if low < lo:  # some row is before the tile: its state must stay bit-for-bit
-            seen = rpos >= lo
-            m_new = torch.where(seen, m_new, m_old)
-            denom_new = torch.where(seen, denom_new, denom_old)
-            acc_new = torch.where(seen, acc_new, acc_old)
-        m[:, :, r0:], denom[:, :, r0:], acc[:, :, r0:] = m_new, denom_new, acc_new
-
-    out = acc / denom  # [Hkv, B, R, D]
+    # Row chunks of one tile of queries (at least 16 rows: an invariant GEMM row count), each
+    # over the key tiles its queries can see (the tiles it skips would add exact zeros).
+    chunk = max(16, min(KV_TILE * group, _SCORE_BUDGET // (hkv * batch * num_tiles * KV_TILE)))
+    edges = list(range(0, rows, chunk))
+    if len(edges) > 1 and rows - edges[-1] < 16:
+        edges.pop()
+    edges.append(rows)
+    real_pos = torch.where(row_pos < _NEVER, row_pos, 0)
+    parts = []
+    for lo, hi in zip(edges[:-1], edges[1:], strict=True):
+        keys = (int(real_pos[:, lo:hi].max()) // KV_TILE + 1) * KV_TILE
+        parts.append(_attend(qp[:, :, lo:hi], row_pos[:, lo:hi], k[:, :, :keys], v[:, :, :keys]))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)  # [Hkv, B, R, D]
     return out[:, seq_of[:, None], row_of].permute(1, 0, 2, 3).reshape(num_tokens, hq, d
                                                                        ).to(q.dtype)
