@@ -89,8 +89,10 @@ class Tokenizer:
                 eos_token=self.eos_token or "",
                 **kwargs,
             )
-        except TemplateError as exc:
-            raise ChatTemplateError(str(exc)) from exc
+        except (TemplateError, TypeError, ValueError, LookupError, AttributeError) as exc:
+            # The template runs on client data: a message it cannot handle (content None, a
+            # missing key) is a bad request, whatever Python error the template hit.
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
 
 def _compile(source: str):

@@ -66,6 +66,12 @@ def test_chat_template_rejects_unknown_roles(tok):
         tok.apply_chat_template([{"role": "tool", "content": "x"}])
 
 
+@pytest.mark.parametrize("message", [{"role": "user", "content": None}, {"content": "no role"}])
+def test_malformed_messages_are_template_errors(tok, message):
+    with pytest.raises(ChatTemplateError):
+        tok.apply_chat_template([message])
+
+
 def test_chat_template_is_sandboxed(tiny_model, tmp_path):
     (tmp_path / "tokenizer.json").write_bytes((tiny_model / "tokenizer.json").read_bytes())
     (tmp_path / "tokenizer_config.json").write_text(
