@@ -29,9 +29,11 @@ import triton.language as tl
 
 BLOCK_M = 64  # rows (query x group head) per program
 BLOCK_N = 64  # KV positions per tile
-KV_SPLIT = 256  # KV positions per split: a multiple of BLOCK_N
+KV_SPLIT = 1024  # KV positions per split: a multiple of BLOCK_N
 NUM_WARPS = 4
 NUM_STAGES = 2
+COMBINE_HEADS = 2  # heads x head-dim slice per combine program: spread the merge loops wide
+COMBINE_DIMS = 64
 _LOG2E = 1.4426950408889634
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -182,28 +184,30 @@ def _attn_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, qsl_ptr, 
 @triton.jit
 def _combine_kernel(out_ptr, qsl_ptr, seq_lens_ptr, ws_ml_ptr, ws_acc_ptr, num_seqs,
                     stride_ot, stride_oh, stride_ws_t, stride_ws_h, HQ: tl.constexpr,
-                    HQ_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, KV_SPLIT: tl.constexpr):
-    """One program per token: merges its splits 0..pos // KV_SPLIT in order, every head."""
+                    HEADS: tl.constexpr, DIMS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    KV_SPLIT: tl.constexpr):
+    """One program per (token, HEADS heads, DIMS of the head dim): merges the token's splits
+    0..pos // KV_SPLIT in order."""
     tok = tl.program_id(0)
     seq = _find_seq(qsl_ptr, tok, num_seqs, 1, False)
     q_end = tl.load(qsl_ptr + seq + 1)
     pos = tl.load(seq_lens_ptr + seq) - q_end + tok
-    heads = tl.arange(0, HQ_PAD)
+    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     head_ok = heads < HQ
-    offs_d = tl.arange(0, HEAD_DIM)
-    m_run = tl.full([HQ_PAD], float("-inf"), tl.float32)
-    denom_run = tl.zeros([HQ_PAD], tl.float32)
-    acc_run = tl.zeros([HQ_PAD, HEAD_DIM], tl.float32)
+    dims = tl.program_id(2) * DIMS + tl.arange(0, DIMS)
+    m_run = tl.full([HEADS], float("-inf"), tl.float32)
+    denom_run = tl.zeros([HEADS], tl.float32)
+    acc_run = tl.zeros([HEADS, DIMS], tl.float32)
     for split in range(0, pos // KV_SPLIT + 1):
         ws = tok.to(tl.int64) * stride_ws_t + heads * stride_ws_h + split
         m = tl.load(ws_ml_ptr + 2 * ws, mask=head_ok, other=float("-inf"))
         denom = tl.load(ws_ml_ptr + 2 * ws + 1, mask=head_ok, other=0.0)
-        acc = tl.load(ws_acc_ptr + ws[:, None] * HEAD_DIM + offs_d[None, :],
+        acc = tl.load(ws_acc_ptr + ws[:, None] * HEAD_DIM + dims[None, :],
                       mask=head_ok[:, None], other=0.0)
         m_run, denom_run, acc_run = _merge(m_run, denom_run, acc_run, m, denom, acc)
     out = acc_run / denom_run[:, None]
     tl.store(out_ptr + tok.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
-             + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+             + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
 
 @functools.cache
@@ -271,9 +275,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                        SPLIT_PROGRAMS=split_programs, PRECISION=precision,
                        num_warps=NUM_WARPS, num_stages=NUM_STAGES, enable_fp_fusion=False)
     if split_programs:
-        _combine_kernel[(num_tokens,)](out, qsl, lens, ws_ml, ws_acc, num_seqs, out.stride(0),
-                                       out.stride(1), hq * max_splits, max_splits, HQ=hq,
-                                       HQ_PAD=triton.next_power_of_2(hq), HEAD_DIM=d,
-                                       KV_SPLIT=KV_SPLIT, num_warps=NUM_WARPS,
-                                       enable_fp_fusion=False)
+        heads, dims = min(COMBINE_HEADS, hq), min(COMBINE_DIMS, d)
+        grid = (num_tokens, triton.cdiv(hq, heads), d // dims)
+        _combine_kernel[grid](out, qsl, lens, ws_ml, ws_acc, num_seqs, out.stride(0),
+                              out.stride(1), hq * max_splits, max_splits, HQ=hq,
+                              HEADS=triton.next_power_of_2(heads), DIMS=dims, HEAD_DIM=d,
+                              KV_SPLIT=KV_SPLIT, num_warps=NUM_WARPS, enable_fp_fusion=False)
     return out

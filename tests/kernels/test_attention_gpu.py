@@ -13,24 +13,22 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference
+from kernels.attention_bench import CONFIGS, config_name
 from tests.kernels.paged_cases import Impl, make_world, prefill, step
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 HQ, HKV, D = 32, 8, 128
-# (BLOCK_M, BLOCK_N, num_warps): the shipped configuration first, then the alternative that
-# kernels/attention_bench.py times.
-CONFIGS = [(64, 64, 4), (128, 64, 8)]
 
 
-@pytest.fixture(params=CONFIGS, ids=lambda c: "m{}n{}w{}".format(*c))
+@pytest.fixture(params=CONFIGS, ids=config_name)
 def at(request, monkeypatch):
+    """The kernel module under each tile configuration the benchmark times."""
     module = import_module("kernels.attention_triton")
-    block_m, block_n, warps = request.param
-    monkeypatch.setattr(module, "BLOCK_M", block_m)
-    monkeypatch.setattr(module, "BLOCK_N", block_n)
-    monkeypatch.setattr(module, "NUM_WARPS", warps)
+    for name, value in zip(("BLOCK_M", "BLOCK_N", "NUM_WARPS", "NUM_STAGES"), request.param,
+                           strict=True):
+        monkeypatch.setattr(module, name, value)
     return module
 
 
