@@ -22,13 +22,9 @@ next one still runs. Writes OUT_DIR/engine-gpu.json after every phase; prints a 
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
-import os
-import platform
 import statistics
-import subprocess
 import time
 import traceback
 from pathlib import Path
@@ -36,6 +32,7 @@ from pathlib import Path
 import torch
 
 from worker import bench_workloads as wl
+from worker.bench_report import MODES, REFERENCE, environment, summary_table
 from worker.engine import Engine
 from worker.engine_config import EngineConfig
 from worker.loader import load
@@ -43,11 +40,6 @@ from worker.make_model import PRESETS
 from worker.ops import make_ops
 from worker.random_model import load_random
 
-MODES = ("default", "batch_invariant")
-# Cost reference on CUDA: default mode with our paged attention kernel instead of gathered K/V
-# + torch SDPA, so the ratio can also be read with the same attention on both sides (what the
-# invariant matmuls and norms alone cost).
-REFERENCE = "default_paged_attention"
 T0 = time.time()
 
 
@@ -244,6 +236,8 @@ class Experiment:
 
     def run(self) -> None:
         if self.args.device == "cuda":
+            from worker.gpu_selfcheck import kernel_check
+
             self.phase("kernel_check", kernel_check)
         self.phase("build", self.build)
         if len(self.engines) < len(MODES):
@@ -257,153 +251,6 @@ class Experiment:
             self.phase("cost_eager", self.cost_eager)
         self.result["total_seconds"] = round(time.time() - T0, 1)
         self.save()
-
-
-def kernel_check() -> dict:
-    """Each CUDA kernel on a small input: ran, close to torch, rows invariant. A failure here
-    names the kernel behind a failed batch_invariant phase."""
-    import kernels
-    from kernels.attention import paged_attention, store_kv
-
-    g = torch.Generator(device="cuda").manual_seed(0)
-
-    def randn(*shape):
-        return torch.randn(*shape, device="cuda", generator=g).to(torch.bfloat16)
-
-    x, w, r, norm_w = randn(37, 4096), randn(1024, 4096), randn(37, 4096), randn(4096)
-
-    def attention():
-        # 3 sequences of 70, 1 and 33 tokens, block 16, the whole prompt as queries.
-        lens, hq, hkv, d, bs = [70, 1, 33], 32, 8, 128, 16
-        blocks = [-(-n // bs) for n in lens]
-        kc = torch.zeros(sum(blocks) + 1, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
-        vc = torch.zeros_like(kc)
-        q, k, v = randn(sum(lens), hq, d), randn(sum(lens), hkv, d), randn(sum(lens), hkv, d)
-        tables = torch.full((3, max(blocks)), -1, dtype=torch.int32, device="cuda")
-        slots, first = [], 0
-        for i, n in enumerate(lens):
-            tables[i, :blocks[i]] = torch.arange(first, first + blocks[i])
-            slots += [(first + p // bs) * bs + p % bs for p in range(n)]
-            first += blocks[i]
-        qsl = torch.tensor([0, 70, 71, 104], dtype=torch.int32, device="cuda")
-        seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-        store_kv(k, v, kc, vc, torch.tensor(slots, device="cuda"))
-        out = paged_attention(q, kc, vc, tables, qsl, seq_lens, d**-0.5)
-        ref = torch.cat([torch.nn.functional.scaled_dot_product_attention(
-            q[s:e].transpose(0, 1)[None], k[s:e].transpose(0, 1)[None],
-            v[s:e].transpose(0, 1)[None], is_causal=True, enable_gqa=True, scale=d**-0.5
-        )[0].transpose(0, 1) for s, e in ((0, 70), (70, 71), (71, 104))])
-        one = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
-        alone = paged_attention(q[70:71], kc, vc, tables[1:2], one, seq_lens[1:2], d**-0.5)
-        return out, ref, torch.equal(alone, out[70:71])
-
-    checks = {
-        "matmul": lambda: (kernels.matmul(x, w.t()), x.float() @ w.float().t(),
-                           torch.equal(kernels.matmul(x[:5], w.t()), kernels.matmul(x, w.t())[:5])),
-        "rms_norm": lambda: (kernels.rms_norm(x, norm_w, 1e-6),
-                             torch.nn.functional.rms_norm(x.float(), (4096,), norm_w.float(), 1e-6),
-                             torch.equal(kernels.rms_norm(x[:3], norm_w, 1e-6),
-                                         kernels.rms_norm(x, norm_w, 1e-6)[:3])),
-        "add_rms_norm": lambda: (kernels.add_rms_norm(x, r, norm_w, 1e-6)[0],
-                                 torch.nn.functional.rms_norm((x + r).float(), (4096,),
-                                                              norm_w.float(), 1e-6),
-                                 torch.equal(kernels.add_rms_norm(x[:3], r[:3], norm_w, 1e-6)[0],
-                                             kernels.add_rms_norm(x, r, norm_w, 1e-6)[0][:3])),
-        "log_softmax": lambda: (kernels.log_softmax(x.float() * 3), torch.log_softmax(
-                                    x.float() * 3, -1), torch.equal(
-                                    kernels.log_softmax(x[:2].float() * 3),
-                                    kernels.log_softmax(x.float() * 3)[:2])),
-        "attention": attention,
-    }
-    result = {}
-    for name, fn in checks.items():
-        try:
-            ours, ref, invariant = fn()
-            torch.cuda.synchronize()
-            err = ((ours.float() - ref.float()).norm() / ref.float().norm()).item()
-            result[name] = {"ok": err < 2e-2 and invariant, "rel_err": err,
-                            "rows_invariant": invariant}
-        except Exception as exc:  # the kernel does not run here: say which, keep going
-            result[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
-        log("kernel", name, result[name])
-    return result
-
-
-def environment(device: str) -> dict:
-    env = {"python": platform.python_version(), "torch": torch.__version__,
-           "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-           "git_commit": _git_commit()}
-    try:
-        import triton
-        env["triton"] = triton.__version__
-    except ImportError:
-        env["triton"] = None
-    if device == "cuda":
-        props = torch.cuda.get_device_properties(0)
-        env.update(device=props.name, cuda=torch.version.cuda, sms=props.multi_processor_count,
-                   memory_gib=round(props.total_memory / 2**30, 1))
-    else:
-        env.update(device=f"cpu ({torch.backends.cpu.get_cpu_capability()})",
-                   threads=torch.get_num_threads())
-    return env
-
-
-def _git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):  # a copy of the tree without .git
-        return os.environ.get("DETGATE_GIT_COMMIT")
-
-
-def summary_table(result: dict) -> str:
-    """The markdown table of the README."""
-    det, cost, score = (result.get(k, {}) for k in ("determinism", "cost", "score"))
-    lines = ["| | default | batch_invariant |", "|---|---|---|"]
-
-    def row(label, fn):
-        cells = []
-        for mode in MODES:
-            try:
-                cells.append(fn(mode))
-            except (KeyError, TypeError, IndexError, ZeroDivisionError):
-                cells.append("-")
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-
-    row("unique completions (token ids)",
-        lambda m: f"{det[m]['unique_completions']} of {det[m]['n']}")
-    row("unique completions (ids + logprob bits)",
-        lambda m: str(det[m]["unique_completions_with_logprob_bits"]))
-    row("most common (exact)", lambda m: str(det[m]["most_common_exact_count"]))
-    row("first divergence (min / median)", lambda m: (
-        f"{det[m]['first_divergence'][0]} / {statistics.median(det[m]['first_divergence'])}"
-        if det[m]["first_divergence"] else "none"))
-    row("max abs logprob diff before divergence", lambda m: f"{det[m]['max_abs_logprob_diff']:.3g}")
-    row("batch sizes seen by the needles", lambda m: "{min}-{max}".format(
-        **det[m]["batch_sizes_seen"]))
-    passes = cost.get("passes", [])
-    row(f"cost: {cost.get('requests', '-')} requests, wall s (pass 1)",
-        lambda m: f"{passes[0][m]['seconds']:.2f}")
-    row("cost: output tokens/s (pass 1)", lambda m: f"{passes[0][m]['tokens_per_s']:.0f}")
-    row("cost: decode-only steps (share of engine time)", lambda m: "{} of {} ({:.0%})".format(
-        passes[0][m]["decode_only_steps"], passes[0][m]["steps"],
-        passes[0][m]["decode_only_seconds"] / passes[0][m]["seconds"]))
-    eager = result.get("cost_eager", {}).get("passes", [])
-    row("cost without CUDA graphs: wall s", lambda m: f"{eager[0][m]['seconds']:.2f}")
-    row("score == sampled logprobs (bitwise positions)",
-        lambda m: f"{score[m]['bitwise_equal']} / {score[m]['positions']}")
-    if passes:
-        ratios = ", ".join(f"{p['ratio']:.3f}" for p in passes)
-        lines.append(f"\nbatch_invariant / default wall time: {ratios} (mean "
-                     f"{cost['ratio_mean']:.3f})")
-    if passes and REFERENCE in passes[0]:
-        ref = passes[0][REFERENCE]
-        lines.append(f"{REFERENCE} (same attention kernel as batch_invariant): "
-                     f"{ref['seconds']:.2f} s, {ref['tokens_per_s']:.0f} tokens/s; "
-                     f"batch_invariant / it: {passes[0]['ratio_vs_reference']:.3f}")
-    if eager:
-        lines.append(f"without CUDA graphs: {result['cost_eager']['ratio_mean']:.3f}")
-    return "\n".join(lines)
 
 
 def main(args: argparse.Namespace) -> int:
