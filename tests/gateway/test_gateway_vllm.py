@@ -222,3 +222,16 @@ def test_replay_needs_a_worker_with_the_same_fingerprint(start_gateway, vllm_wor
     assert r.status_code == 409
     assert r.json()["error"]["code"] == "no_matching_worker"
     assert second.metric("detgate_replays_total", result="error") == 1
+
+
+def test_worker_dying_mid_stream_is_an_error_event_and_a_failed_record(setup):
+    gw, _ = setup
+    with gw.http() as http, http.stream("POST", "/v1/chat/completions", json={
+            "model": MODEL, "stream": True,
+            "messages": [{"role": "user", "content": "trigger-break"}]}) as r:
+        rid = r.headers["x-detgate-record-id"]
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", events
+    assert orjson.loads(events[-2])["error"]["type"] == "upstream_error"
+    rec = record(gw, rid)
+    assert rec["status"] == "failed" and rec["choices"][0]["token_ids"] == [9707]

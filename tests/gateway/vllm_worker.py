@@ -94,7 +94,14 @@ class VllmFixtureWorker:
                 return web.Response(body=fixture(name), content_type="application/json")
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await response.prepare(request)
-            for line in fixture(f"vllm_{kind}_stream.txt").splitlines(keepends=True):
+            lines = fixture(f"vllm_{kind}_stream.txt").splitlines(keepends=True)
+            if "trigger-break" in text:  # the worker dies after two events
+                for line in lines[:4]:
+                    await response.write(line)
+                await asyncio.sleep(0.3)  # let those events leave before the connection drops
+                request.transport.close()
+                return response
+            for line in lines:
                 await response.write(line)
             await response.write_eof()
             return response
