@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from worker import bench_workloads as wl
+from worker.attention_metadata import AttentionMetadata
 from worker.bench_report import MODES, REFERENCE, environment, summary_table
 from worker.engine import Engine
 from worker.engine_config import EngineConfig
@@ -234,6 +235,30 @@ class Experiment:
             log(mode, info[mode])
         return info
 
+    def decode_step(self) -> dict:
+        """GPU time of one decode step (graph replay, head and log_softmax) per batch size, every
+        sequence 256 tokens long on blocks of its own: the modes' cost without the host's share
+        of a step. Runs last: it overwrites KV blocks the prefix cache may still point to."""
+        context, reps = 256, 20
+        engines = {**self.engines, **({REFERENCE: self.reference} if self.reference else {})}
+        info: dict = {}
+        for name, engine in engines.items():
+            runner = engine.runner
+            nb = context // runner.block_size
+            info[name] = {}
+            for b in (1, 8, 32, 64, 128, 256):
+                if runner.graphs is not None and b <= runner.graphs.batch_sizes[-1] \
+                        and b * nb <= runner.num_kv_blocks:
+                    info[name][b] = time_decode_step(runner, b, context, reps)
+            log(name, "decode step ms:", info[name])
+        info["ratio"] = {b: ms / info["default"][b]
+                         for b, ms in info["batch_invariant"].items() if b in info["default"]}
+        if self.reference is not None:
+            info["ratio_vs_reference"] = {b: ms / info[REFERENCE][b]
+                                          for b, ms in info["batch_invariant"].items()
+                                          if b in info[REFERENCE]}
+        return info
+
     def run(self) -> None:
         if self.args.device == "cuda":
             from worker.gpu_selfcheck import kernel_check
@@ -249,8 +274,38 @@ class Experiment:
         self.phase("cost", self.cost)
         if self.args.device == "cuda" and not self.args.enforce_eager:
             self.phase("cost_eager", self.cost_eager)
+            self.phase("decode_step", self.decode_step)
         self.result["total_seconds"] = round(time.time() - T0, 1)
         self.save()
+
+
+@torch.inference_mode()
+def time_decode_step(runner, batch: int, context: int, reps: int) -> float:
+    """ms of one decode step of `batch` sequences of `context` tokens through the runner's
+    CUDA graphs; sequence i reads blocks [i * nb, (i + 1) * nb) of the KV cache."""
+    dev, bs = runner.device, runner.block_size
+    tables = torch.arange(batch * (context // bs), dtype=torch.int32, device=dev)
+    tables = tables.view(batch, context // bs)
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=dev),
+        seq_lens=torch.full((batch,), context, dtype=torch.int32, device=dev),
+        block_tables=tables, slot_mapping=tables[:, -1].long() * bs + bs - 1,
+        max_query_len=1, max_seq_len=context)
+    ids = torch.randint(100, 1000, (batch,), device=dev)
+    pos = torch.full((batch,), context - 1, dtype=torch.int64, device=dev)
+
+    def step() -> None:
+        hidden = runner.graphs.forward(ids, pos, meta)
+        runner.sampler.log_softmax(runner.model.compute_logits(hidden))
+
+    step()  # captures the graph if it is not there yet
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
 
 
 def main(args: argparse.Namespace) -> int:

@@ -90,6 +90,13 @@ def summary_table(result: dict) -> str:
         lines.append(f"{REFERENCE} (same attention kernel as batch_invariant): "
                      f"{ref['seconds']:.2f} s, {ref['tokens_per_s']:.0f} tokens/s; "
                      f"batch_invariant / it: {passes[0]['ratio_vs_reference']:.3f}")
+    step = result.get("decode_step", {})
+    if step.get("ratio"):
+        lines.append("GPU time of one decode step (context 256), batch_invariant / default: "
+                     + ", ".join(f"B={b}: {r:.3f}" for b, r in step["ratio"].items()))
+    if step.get("ratio_vs_reference"):
+        lines.append(f"... / {REFERENCE}: " + ", ".join(
+            f"B={b}: {r:.3f}" for b, r in step["ratio_vs_reference"].items()))
     if eager:
         lines.append(f"without CUDA graphs: {result['cost_eager']['ratio_mean']:.3f}")
     return "\n".join(lines)
