@@ -30,7 +30,7 @@ DECODE_SHAPES = [(1, 4096), (16, 4096), (64, 4096), (128, 4096), (32, 8192), (25
                  (4, 65536)]
 PREFILL_SHAPES = [(1, 1024), (4, 2048), (1, 4096), (1, 8192)]
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) of the Triton kernel; the first is the shipped one.
-CONFIGS = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2)]
+CONFIGS = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 128, 4, 2)]
 BLOCK_SIZE = 16
 
 
