@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-mb", type=int, default=None, help="per engine (CUDA: 20 GiB)")
+    p.add_argument("--kv-cache-mb", type=int, default=None, help="per engine (CUDA: 16 GiB)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--no-reference", action="store_true",
                    help=f"CUDA: skip the {REFERENCE} cost reference")
@@ -137,7 +137,7 @@ class Experiment:
             loaded = load(a.model, dtype=a.dtype, device=a.device, mode=mode)
         if paged_attention:  # every layer shares the model's one ops object
             loaded.model.ops.attention = make_ops("batch_invariant").attention
-        kv_mb = a.kv_cache_mb or (20 * 1024 if a.device == "cuda" else None)
+        kv_mb = a.kv_cache_mb or (16 * 1024 if a.device == "cuda" else None)
         config = EngineConfig(
             model=a.model, mode=mode, device=a.device, dtype=a.dtype,
             max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
