@@ -117,12 +117,15 @@ def run(engine: Engine, reqs: list[Request], arrival_seed: int | None
 
 
 def determinism_measures(completions: list[Completion]) -> dict:
-    """Unique completions (token ids; and ids + logprob bits), the most common's count, each
-    completion's first divergence from it, and how many match it bit for bit."""
+    """Unique completions (token ids; and ids + logprob bits), the most common completion's
+    count, each completion's first divergence from it, and logprobs compared with the most
+    common exact variant of it (bit for bit, and the largest difference before divergence)."""
     ids = collections.Counter(tuple(c.token_ids) for c in completions)
     exact = collections.Counter((tuple(c.token_ids), tuple(c.logprobs)) for c in completions)
-    (top_ids, top_lps), top_count = exact.most_common(1)[0]
-    divergences, max_diff, bitwise = [], 0.0, 0
+    top_ids, top_count = ids.most_common(1)[0]
+    (_, top_lps), top_exact = next((key, n) for key, n in exact.most_common()
+                                   if key[0] == top_ids)
+    divergences, max_diff = [], 0.0
     for c in completions:
         first = first_divergence(c.token_ids, list(top_ids))
         if first is not None:
@@ -130,15 +133,13 @@ def determinism_measures(completions: list[Completion]) -> dict:
         n = len(c.logprobs) if first is None else first
         diffs = [abs(a - b) for a, b in zip(c.logprobs[:n], top_lps[:n], strict=True)]
         max_diff = max([max_diff, *diffs])
-        bitwise += (tuple(c.token_ids), tuple(c.logprobs)) == (top_ids, top_lps)
     sizes = sorted({b for c in completions for b in c.batch_sizes})
     return {
         "n": len(completions),
         "unique_completions": len(ids),
         "unique_completions_with_logprob_bits": len(exact),
-        "most_common_count": ids.most_common(1)[0][1],
-        "bitwise_equal_to_most_common": bitwise,
-        "most_common_exact_count": top_count,
+        "most_common_count": top_count,
+        "most_common_exact_count": top_exact,
         "first_divergence": sorted(divergences),
         "max_abs_logprob_diff": max_diff,
         "tokens_per_completion": len(top_ids),
