@@ -14,6 +14,7 @@ import orjson
 import pytest
 
 from gateway.config import Settings
+from gateway.metrics import ENDPOINTS
 from gateway.router import derived_fingerprint
 from tests.gateway.vllm_worker import VllmFixtureWorker, fixture, sse_payloads
 
@@ -235,3 +236,36 @@ def test_worker_dying_mid_stream_is_an_error_event_and_a_failed_record(setup):
     assert orjson.loads(events[-2])["error"]["type"] == "upstream_error"
     rec = record(gw, rid)
     assert rec["status"] == "failed" and rec["choices"][0]["token_ids"] == [9707]
+
+
+CONTRACT_METRICS = {
+    "detgate_requests_total": "counter", "detgate_request_duration_seconds": "histogram",
+    "detgate_upstream_duration_seconds": "histogram",
+    "detgate_gateway_overhead_seconds": "histogram", "detgate_records_total": "counter",
+    "detgate_replays_total": "counter", "detgate_replay_logprob_mse": "histogram",
+    "detgate_replay_max_abs_logprob_diff": "histogram",
+    "detgate_replay_first_divergence_position": "histogram", "detgate_worker_up": "gauge",
+    "detgate_worker_inflight": "gauge",
+}
+
+
+def test_metrics_are_exactly_the_contracts(setup):
+    gw, worker = setup
+    gw.client().completions.create(model=MODEL, prompt="x")
+    with gw.http() as http:
+        text = http.get("/metrics").text
+    types = {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            types[name.removesuffix("_total") + ("_total" if kind == "counter" else "")] = kind
+    assert types == CONTRACT_METRICS
+    assert "detgate_replay_logprob_mse_bucket{le=\"1e-12\"}" in text
+    assert "detgate_replay_first_divergence_position_bucket{le=\"4096.0\"}" in text
+    assert f'detgate_worker_up{{worker="{worker.url}"}} 1.0' in text
+    for line in text.splitlines():
+        if line.startswith("detgate_requests_total{"):
+            labels = dict(p.split("=", 1) for p in line[line.index("{") + 1:line.index("}")]
+                          .replace('"', "").split(","))
+            assert set(labels) == {"endpoint", "code"}
+            assert labels["endpoint"] in ENDPOINTS + ("other",)
