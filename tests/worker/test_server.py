@@ -147,6 +147,12 @@ def test_stop_string_cuts_the_text(client):
                                     stop=[stop], extra_body={"ignore_eos": True}).choices[0]
     assert cut.finish_reason == "stop"
     assert cut.text == free[:free.index(stop)]
+    # Streamed, no part of the stop string may leak out before the match is known.
+    chunks = list(client.completions.create(model=MODEL, prompt="The", max_tokens=16,
+                                            temperature=0, stop=[stop], stream=True,
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == cut.text
+    assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_null_fields_mean_defaults(url):
