@@ -61,7 +61,7 @@ class Recorder:
     async def ping(self) -> bool:
         try:
             await self.redis.ping()
-        except (RedisError, OSError) as exc:
+        except (RedisError, OSError, TimeoutError) as exc:
             self._unavailable(exc)
             return False
         if not self.up:

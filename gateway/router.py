@@ -127,8 +127,9 @@ class Router:
                 raise Unreachable(f"/health answered {health.status}")
             if not worker.up:
                 await self._introduce(worker)
-        except (Unreachable, TimedOut, ValueError, KeyError, TypeError) as exc:
-            self.eject(worker, str(exc))
+        except Exception as exc:  # whatever went wrong, the worker is not usable
+            # (an odd /v1/models or probe answer included); the loop must survive it.
+            self.eject(worker, f"{type(exc).__name__}: {exc}")
             return
         if not worker.up:
             log.warning("worker %s up: models %s, fingerprint %s", worker.url, worker.models,
