@@ -3,6 +3,7 @@ vLLM-shaped fixture worker (`vllm_worker`) that also records what reached it."""
 
 from __future__ import annotations
 
+import re
 import secrets
 import threading
 from collections.abc import Iterator
@@ -41,15 +42,13 @@ class Gateway:
 
     def metric(self, name: str, **labels: str) -> float:
         """One sample of /metrics (0.0 when absent)."""
-        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
         text = httpx.get(self.url + "/metrics", timeout=10).text
         for line in text.splitlines():
             if line.startswith("#"):
                 continue
             series, _, value = line.rpartition(" ")
-            metric, _, rest = series.partition("{")
-            got = ",".join(sorted(rest.rstrip("}").split(","))) if rest else ""
-            if metric == name and got == want:
+            metric = series.partition("{")[0]
+            if metric == name and dict(re.findall(r'(\w+)="([^"]*)"', series)) == labels:
                 return float(value)
         return 0.0
 
