@@ -10,7 +10,8 @@ Each of our rows names its tile configuration (BLOCK_M, BLOCK_N, warps, stages) 
 shape (fused, split, or auto = what paged_attention picks; all three for the shipped
 configuration).
 CPU: the tiny model's attention (8 q / 2 kv heads of 32, fp32): our CPU kernel vs the default
-mode's padded SDPA over the gathered cache, timed on the host.
+mode's padded SDPA over the gathered cache, timed on the host (minimum over interleaved
+repetitions); `ratio` = SDPA time / our time.
 """
 
 from __future__ import annotations
@@ -55,14 +56,17 @@ def _cuda_ms(fn: Callable[[], object], reps: int = 5) -> float:
     return statistics.median(times)
 
 
-def _host_ms(fn: Callable[[], object], reps: int = 15) -> float:
-    fn()
-    times = []
+def _host_ms_pair(ours: Callable[[], object], ref: Callable[[], object], reps: int = 15
+                  ) -> tuple[float, float]:
+    """Minimum milliseconds of each, over interleaved repetitions."""
+    ours(), ref()
+    t_ours, t_ref = [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times) * 1e3
+        for fn, times in ((ours, t_ours), (ref, t_ref)):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return min(t_ours) * 1e3, min(t_ref) * 1e3
 
 
 def _copy_tb_s() -> float:
@@ -180,9 +184,10 @@ def _cpu_rows() -> list[dict]:
                                  seq_lens=inp["seq_lens"], block_tables=inp["block_tables"],
                                  slot_mapping=torch.zeros(batch * q_len, dtype=torch.long),
                                  max_query_len=q_len, max_seq_len=seq_len)
-        sdpa_ms = _host_ms(lambda inp=inp, meta=meta: _padded_sdpa(
-            inp["q"], inp["k_cache"], inp["v_cache"], meta, inp["scale"]))
-        ms = _host_ms(lambda inp=inp: paged_attention(**inp))
+        ms, sdpa_ms = _host_ms_pair(
+            lambda inp=inp: paged_attention(**inp),
+            lambda inp=inp, meta=meta: _padded_sdpa(inp["q"], inp["k_cache"], inp["v_cache"],
+                                                    meta, inp["scale"]))
         rows.append({"op": op, "batch": batch, "context": seq_len, "q_len": q_len,
                      "ours_ms": ms, "sdpa_ms": sdpa_ms, "ratio": sdpa_ms / ms,
                      "threads": torch.get_num_threads()})

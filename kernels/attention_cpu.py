@@ -45,11 +45,15 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def _gather_kv(cache: torch.Tensor, slots: torch.Tensor, invalid: torch.Tensor) -> torch.Tensor:
-    """Cache rows at slots [B, L] -> [Hkv, B, L, D] fp32, zero where invalid (never NaN)."""
-    rows = cache.view(-1, *cache.shape[2:]).index_select(0, slots.view(-1))
-    rows = rows.view(*slots.shape, *cache.shape[2:]).permute(2, 0, 1, 3)
-    return rows.float().contiguous().masked_fill_(invalid[None, :, :, None], 0.0)
+def _gather_kv(cache: torch.Tensor, blocks: torch.Tensor, length: int, invalid: torch.Tensor
+               ) -> torch.Tensor:
+    """Whole cache blocks [B, nb] -> positions 0..length-1 as [Hkv, B, L, D] fp32, zero where
+    invalid (never NaN: the probabilities there are 0, and 0 * NaN would not be)."""
+    batch, num = blocks.shape
+    rows = cache.index_select(0, blocks.view(-1)).view(batch, num * cache.shape[1],
+                                                      *cache.shape[2:])[:, :length]
+    return rows.permute(2, 0, 1, 3).float().contiguous().masked_fill_(invalid[None, :, :, None],
+                                                                      0.0)
 
 
 def _attend(qp: torch.Tensor, row_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -86,14 +90,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     qlens = [starts[i + 1] - starts[i] for i in range(batch)]
     num_tiles = -(-max(lens) // KV_TILE)
 
-    # Key slots by position: position p of sequence b lives at block_tables[b, p // block_size].
-    pos = torch.arange(num_tiles * KV_TILE)
-    col = (pos // block_size).clamp(max=block_tables.shape[1] - 1)
-    invalid = pos[None, :] >= seq_lens[:, None].long()  # [B, L]
-    slots = block_tables[:, col].long().clamp(min=0) * block_size + pos % block_size
-    slots.masked_fill_(invalid, 0)
-    k = _gather_kv(k_cache, slots, invalid)  # [Hkv, B, L, D]
-    v = _gather_kv(v_cache, slots, invalid)
+    # Keys by position: position p of sequence b lives in block block_tables[b, p // block_size].
+    length = num_tiles * KV_TILE
+    cols = torch.arange(-(-length // block_size)).clamp(max=block_tables.shape[1] - 1)
+    blocks = block_tables[:, cols].long().clamp(min=0)
+    invalid = torch.arange(length)[None, :] >= seq_lens[:, None].long()  # [B, L]
+    k = _gather_kv(k_cache, blocks, length, invalid)  # [Hkv, B, L, D]
+    v = _gather_kv(v_cache, blocks, length, invalid)
 
     # Queries as rows [Hkv, B, R, D], padded to a row count the GEMM is invariant at, with the
     # softmax scale folded in once; row_pos [B, R] holds each row's query position.
