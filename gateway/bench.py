@@ -116,7 +116,7 @@ def _versions() -> dict:
     return out
 
 
-def _device() -> dict:
+def _device(load_average: tuple[float, float, float]) -> dict:
     model = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -128,7 +128,7 @@ def _device() -> dict:
     return {"cpu": model or platform.processor(), "cores": os.cpu_count(),
             "platform": platform.platform(),
             # Other work on the machine widens latency tails; CPU per request is robust to it.
-            "load_average_at_start": os.getloadavg()}
+            "load_average_at_start": load_average}
 
 
 def _commit() -> str:
@@ -158,6 +158,7 @@ def _records(redis_url: str, prefix: str) -> int:
 
 
 def main(args) -> int:
+    load_average = os.getloadavg()
     redis_url = os.environ.get("DETGATE_REDIS_URL", "redis://127.0.0.1:6379/15")
     prefix = f"detgate-bench-{secrets.token_hex(4)}"
     ports = {name: _free_port() for name in ("upstream", "passthrough", "gateway")}
@@ -189,7 +190,7 @@ def main(args) -> int:
     stored = _records(redis_url, prefix)
     summary = _summary(results, gateway_2xx, stored)
     report = {"benchmark": "gateway", "date": datetime.datetime.now(datetime.UTC).isoformat(),
-              "commit": _commit(), "device": _device(), "versions": _versions(),
+              "commit": _commit(), "device": _device(load_average), "versions": _versions(),
               "request": orjson.loads(REQUEST), "results": results, "summary": summary}
     _print(summary)
     data = orjson.dumps(report, option=orjson.OPT_INDENT_2)
