@@ -50,10 +50,11 @@ def _gather_kv(cache: torch.Tensor, blocks: torch.Tensor, length: int, invalid: 
     """Whole cache blocks [B, nb] -> positions 0..length-1 as [Hkv, B, L, D] fp32, zero where
     invalid (never NaN: the probabilities there are 0, and 0 * NaN would not be)."""
     batch, num = blocks.shape
-    rows = cache.index_select(0, blocks.view(-1)).view(batch, num * cache.shape[1],
-                                                      *cache.shape[2:])[:, :length]
-    return rows.permute(2, 0, 1, 3).float().contiguous().masked_fill_(invalid[None, :, :, None],
-                                                                      0.0)
+    hkv, d = cache.shape[2:]
+    rows = cache.index_select(0, blocks.view(-1)).view(batch, num * cache.shape[1], hkv, d)
+    out = torch.empty(hkv, batch, length, d)  # one pass: transpose, widen and zero together
+    return torch.where(invalid[None, :, :, None], torch.zeros(()),
+                       rows[:, :length].permute(2, 0, 1, 3).float(), out=out)
 
 
 def _attend(qp: torch.Tensor, row_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -66,11 +67,13 @@ def _attend(qp: torch.Tensor, row_pos: torch.Tensor, k: torch.Tensor, v: torch.T
     q_t = qp.reshape(hkv * batch, 1, rows, d).expand(-1, tiles, -1, -1)
     s = torch.matmul(q_t, k_t).view(hkv, batch, tiles, rows, KV_TILE)
     key_pos = torch.arange(tiles * KV_TILE).view(1, 1, tiles, 1, KV_TILE)
-    seen = (key_pos <= row_pos.view(1, batch, 1, rows, 1)).float()  # 1 where the key is visible
-    m = torch.where(seen > 0, s, float("-inf")).amax(dim=(2, 4), keepdim=True)
+    hidden = key_pos > row_pos.view(1, batch, 1, rows, 1)
+    seen = (~hidden).float()  # 1 where the key is visible
+    m = (s + torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))).amax(
+        dim=(2, 4), keepdim=True)
     # exp of -inf (or of anything that underflows) takes a slow path on x86: exponentiate
     # zeros where keys are hidden, then zero those probabilities exactly.
-    p = torch.exp((s - m) * seen) * seen
+    p = s.sub_(m).mul_(seen).exp_().mul_(seen)
     denom = p.sum(-1).cumsum(2)[:, :, -1]  # [Hkv, B, R]
     pv = torch.matmul(p.view(hkv * batch, tiles, rows, KV_TILE), v_t)  # [HB, T, R, D]
     acc = pv.cumsum(1)[:, -1].view(hkv, batch, rows, d)
