@@ -44,4 +44,5 @@ def register_bench(bench_sub) -> None:
     p.add_argument("--requests", type=int, default=64, help="requests in the workload")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
     p.add_argument("--repeats", type=int, default=4, help="runs of each mode, interleaved")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.set_defaults(func=lambda args: __import__("worker.bench", fromlist=["main"]).main(args))
