@@ -16,7 +16,7 @@ from gateway.forward import Forwarder
 from gateway.metrics import Metrics, endpoint_label
 from gateway.recorder import Recorder
 from gateway.router import Router
-from gateway.routes import inference, ops, records
+from gateway.routes import inference, ops, records, score
 from gateway.services import Services
 from gateway.upstream import Upstream
 
@@ -86,6 +86,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                   openapi_url=None)
     errors.install(app)
     app.router.routes.extend(inference.routes)
+    app.router.routes.extend(score.routes)
     app.include_router(records.router)
     app.include_router(ops.router)
     app.add_middleware(ObserveRequests, metrics=metrics)

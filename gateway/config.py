@@ -45,6 +45,7 @@ class Settings(BaseSettings):
     max_tokens: int = Field(4096, gt=0)
     max_n: int = Field(16, gt=0)
     max_stop: int = Field(4, ge=0)
+    max_score_tokens: int = Field(32768, gt=0)
     max_replay_load: int = Field(64, ge=0)
 
     @field_validator("workers", "api_keys", mode="before")

@@ -49,11 +49,13 @@ class Forwarder:
         self.attempt_timeout_s = attempt_timeout_s
 
     def _pick(self, model: str, tried: Worker | None, last: GatewayError | None,
-              pinned: Worker | None) -> Worker:
+              pinned: Worker | None, fingerprint: str | None = None,
+              builtin: bool = False) -> Worker:
         if pinned is not None:
             return pinned
         try:
-            return self.router.choose(model, exclude=tried)
+            return self.router.choose(model, exclude=tried, fingerprint=fingerprint,
+                                      builtin=builtin)
         except (NoWorker, Conflict, NotFound):
             if last is not None:
                 raise last from None
@@ -72,12 +74,14 @@ class Forwarder:
         return UpstreamFailed(f"worker failed: {exc}")
 
     async def send(self, model: str, path: str, body: bytes, *, deadline: float,
-                   pinned: Worker | None = None) -> Sent:
+                   pinned: Worker | None = None, fingerprint: str | None = None,
+                   builtin: bool = False) -> Sent:
+        """`fingerprint` and `builtin` narrow the choice (a retry included), see Router.choose."""
         tried: Worker | None = None
         last: GatewayError | None = None
         spent = 0.0
         for _ in range(1 if pinned else MAX_ATTEMPTS):
-            worker = self._pick(model, tried, last, pinned)
+            worker = self._pick(model, tried, last, pinned, fingerprint, builtin)
             budget = self._budget(deadline)
             self.router.acquire(worker)
             t0 = time.perf_counter()

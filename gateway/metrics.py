@@ -16,8 +16,9 @@ MSE_BUCKETS = tuple(10.0 ** e for e in range(-12, 1))  # 1e-12 ... 1
 ABS_DIFF_BUCKETS = tuple(10.0 ** e for e in range(-9, 2))  # 1e-9 ... 10
 DIVERGENCE_BUCKETS = (0, 1, *(2 ** e for e in range(1, 13)))  # 0, 1, 2, 4, ... 4096
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/requests",
-             "/v1/requests/{id}", "/replay/{id}", "/metrics", "/healthz", "/readyz")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/score", "/v1/models",
+             "/v1/requests", "/v1/requests/{id}", "/replay/{id}", "/metrics", "/healthz",
+             "/readyz")
 
 
 def endpoint_label(path: str) -> str:

@@ -22,6 +22,7 @@ from gateway.errors import BadRequest
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+SCORE = "/v1/score"
 MAX_LOGPROBS = 20
 INT64 = 2 ** 63
 
@@ -33,6 +34,7 @@ ALLOWED = {
     COMPLETIONS: _COMMON | {"prompt"},
 }
 _ROLES = {"system", "user", "assistant", "developer", "tool"}
+_SCORE_FIELDS = {"model", "token_ids", "start", "system_fingerprint"}
 
 
 @dataclass(frozen=True)
@@ -125,22 +127,38 @@ def _stop(body: dict, max_stop: int) -> None:
         raise BadRequest(f"'stop' may hold at most {max_stop} sequences", param="stop")
 
 
-def parse(endpoint: str, raw: bytes, settings: Settings) -> ParsedRequest:
+@dataclass(frozen=True)
+class ScoreRequest:
+    model: str
+    body: dict[str, Any]  # exactly what the worker gets: model, token_ids, start
+    fingerprint: str | None  # the client demands a worker with this fingerprint
+
+
+def _json_object(raw: bytes, allowed: set[str], why: str) -> dict:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"the body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
-    unknown = sorted(set(body) - ALLOWED[endpoint])
+    unknown = sorted(set(body) - allowed)
     if unknown:
-        raise BadRequest(f"unsupported parameter '{unknown[0]}' (the gateway forwards only "
-                         "parameters it records and can replay)", param=unknown[0],
+        raise BadRequest(f"unsupported parameter '{unknown[0]}' ({why})", param=unknown[0],
                          code="unknown_parameter")
+    return body
 
+
+def _model(body: dict) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' must be a non-empty string", param="model")
+    return model
+
+
+def parse(endpoint: str, raw: bytes, settings: Settings) -> ParsedRequest:
+    body = _json_object(raw, ALLOWED[endpoint],
+                        "the gateway forwards only parameters it records and can replay")
+    model = _model(body)
     if endpoint == CHAT:
         _messages(body)
     else:
@@ -202,6 +220,30 @@ def _stream_options(body: dict, stream: bool) -> bool:
         raise BadRequest("'stream_options.include_usage' must be a boolean",
                          param="stream_options")
     return bool(include)
+
+
+def parse_score(raw: bytes, settings: Settings) -> ScoreRequest:
+    """The built-in worker's score request, with its rules: 0 < start < len(token_ids), start
+    1 when absent; token ids are non-negative (the worker checks them against its vocabulary)."""
+    body = _json_object(raw, _SCORE_FIELDS, f"a score request holds only {sorted(_SCORE_FIELDS)}")
+    model = _model(body)
+    ids = body.get("token_ids")
+    limit = settings.max_score_tokens
+    if not isinstance(ids, list) or not 2 <= len(ids) <= limit:
+        raise BadRequest(f"'token_ids' must be a list of 2 to {limit} token ids",
+                         param="token_ids")
+    if not all(_is_int(t) and 0 <= t < INT64 for t in ids):
+        raise BadRequest("'token_ids' must hold non-negative integers", param="token_ids")
+    start = body.get("start", 1)
+    if not _is_int(start) or not 0 < start < len(ids):
+        raise BadRequest(f"'start' must be an integer from 1 to {len(ids) - 1} (len(token_ids) "
+                         "- 1): the first token has no context to be scored in", param="start")
+    fingerprint = body.get("system_fingerprint")
+    if fingerprint is not None and (not isinstance(fingerprint, str) or not fingerprint):
+        raise BadRequest("'system_fingerprint' must be a non-empty string",
+                         param="system_fingerprint")
+    return ScoreRequest(model=model, body={"model": model, "token_ids": ids, "start": start},
+                        fingerprint=fingerprint)
 
 
 def replay_body(recorded: dict) -> dict:

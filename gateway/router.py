@@ -7,7 +7,9 @@ since a restart may have changed either.
 
 Fingerprint: the worker's own `system_fingerprint` (the built-in worker sends one), learned
 by a one-token probe. A worker that sends none (vLLM) gets a derived one: a hash of what it
-exposes (/v1/models: id, root, max_model_len; /version) plus operator labels.
+exposes (/v1/models: id, root, max_model_len; /version) plus operator labels. Only a worker
+with its own fingerprint is a built-in worker, and only those offer the teacher-forced
+/v1/score (vLLM's /score is a different API: cross-encoder pair scoring).
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ class Worker:
     inflight: int = 0
     models: list[str] = field(default_factory=list)
     fingerprint: str | None = None
+    # True when the worker reports its own fingerprint (a built-in worker), False when
+    # `fingerprint` is derived.
+    own_fingerprint: bool = False
     labels: str = ""
 
 
@@ -66,14 +71,22 @@ class Router:
     # -- choice -------------------------------------------------------------------------------
 
     def choose(self, model: str, *, exclude: Worker | None = None,
-               fingerprint: str | None = None) -> Worker:
-        """Least outstanding requests; ties rotate so idle workers share the load."""
+               fingerprint: str | None = None, builtin: bool = False) -> Worker:
+        """Least outstanding requests; ties rotate so idle workers share the load.
+
+        `builtin`: only built-in workers (those with their own fingerprint)."""
         candidates = [w for w in self.workers if w.up and w is not exclude
                       and (fingerprint is None or w.fingerprint == fingerprint)
+                      and (not builtin or w.own_fingerprint)
                       and model in w.models]
         if not candidates:
             if fingerprint is not None:
-                raise Conflict(f"no healthy worker has fingerprint {fingerprint}")
+                raise Conflict(f"no healthy {'built-in ' if builtin else ''}worker has "
+                               f"fingerprint {fingerprint}")
+            if builtin and any(w.up and model in w.models for w in self.workers):
+                raise Conflict(f"no healthy built-in worker serves model '{model}': only "
+                               "built-in workers offer the teacher-forced score",
+                               code="no_score_worker")
             if not any(w.up for w in self.workers):
                 raise NoWorker("no healthy worker")
             if exclude is None and not any(model in w.models for w in self.workers):
@@ -101,6 +114,8 @@ class Router:
         """Passive learning from answers: a worker's own fingerprint wins over a derived one."""
         if fingerprint and fingerprint != worker.fingerprint:
             worker.fingerprint = fingerprint
+        if fingerprint:
+            worker.own_fingerprint = True
 
     def models(self) -> list[str]:
         seen: dict[str, None] = {}
@@ -153,6 +168,7 @@ class Router:
         if answer.status >= 500:
             raise Unreachable(f"probe answered {answer.status}")
         own = orjson.loads(answer.body).get("system_fingerprint") if answer.status == 200 else None
+        worker.own_fingerprint = bool(own)
         worker.fingerprint = own or derived_fingerprint(
             cards, await self._version(worker), worker.labels)
 

@@ -1,1 +1,1 @@
-"""HTTP routes: inference (OpenAI endpoints), records and replays, operations."""
+"""HTTP routes: inference (OpenAI endpoints), score, records and replays, operations."""

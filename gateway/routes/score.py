@@ -1,0 +1,55 @@
+"""`POST /v1/score`: the built-in worker's teacher-forced logprobs, through the gateway.
+
+validate -> route -> forward -> observe. Nothing is recorded: a score is a read-only
+computation (the same token ids give the same numbers on the same fingerprint), so it needs
+no record and works while Redis is down.
+
+Only built-in workers are asked (vLLM's /score is cross-encoder pair scoring, another API).
+With `system_fingerprint` the client demands a worker with those numerics, as a trainer does
+when it checks a record's logprobs: 409 when none is up, or when the worker that answered
+turns out to have another fingerprint (it was restarted with other weights or settings).
+"""
+
+from __future__ import annotations
+
+import time
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway import protocol
+from gateway.errors import Conflict, UpstreamFailed
+from gateway.services import read_body, services
+
+
+async def score(request: Request) -> Response:
+    svc = services(request)
+    svc.auth.tenant(request.headers.get("authorization"))
+    raw = await read_body(request, svc.settings.max_body_bytes)
+    parsed = protocol.parse_score(raw, svc.settings)
+    deadline = time.monotonic() + svc.settings.total_timeout_s
+    sent = await svc.forwarder.send(parsed.model, protocol.SCORE, orjson.dumps(parsed.body),
+                                    deadline=deadline, fingerprint=parsed.fingerprint,
+                                    builtin=True)
+    request.state.upstream_s = sent.upstream_s
+    try:
+        answer = orjson.loads(sent.answer.body)
+    except orjson.JSONDecodeError:
+        raise UpstreamFailed("the worker's answer is not JSON") from None
+    if not isinstance(answer, dict) or not isinstance(answer.get("logprobs"), list):
+        raise UpstreamFailed("the worker's score answer has no 'logprobs' list")
+    own = answer.get("system_fingerprint")
+    svc.router.learn(sent.worker, own)
+    fingerprint = own or sent.worker.fingerprint
+    if parsed.fingerprint is not None and fingerprint != parsed.fingerprint:
+        raise Conflict(f"the worker now has fingerprint {fingerprint}, not "
+                       f"{parsed.fingerprint}")
+    answer["system_fingerprint"] = fingerprint
+    # orjson writes each float as the shortest text that reads back as the same double: the
+    # worker's logprobs reach the client bit for bit.
+    return Response(orjson.dumps(answer), media_type="application/json")
+
+
+routes = [Route(protocol.SCORE, score, methods=["POST"])]
