@@ -142,9 +142,12 @@ def test_audit_through_the_gateway_with_an_api_key(invariant_worker, redis_url, 
         client.close()
     assert (doc["n"], doc["unique_completions"], doc["max_abs_logprob_diff"]) == (16, 1, 0.0)
     assert doc["details"]["fingerprints"] and doc["details"]["compared_by"] == "token_id"
-    # The gateway has no score route: said once, not an error per sample.
-    assert doc["details"]["score"]["unsupported"] and doc["details"]["score"]["errors"] == []
-    assert "offers no /score route" in stdout
+    # The gateway passes /v1/score to the built-in worker: the trainer's view equals the
+    # sampled logprobs bitwise (the negative control is the default-mode audit above).
+    score = doc["details"]["score"]
+    assert (score["unsupported"], score["errors"], score["skipped"]) == (None, [], 0)
+    assert score["scored"] == score["exact"] == 16
+    assert score["max_abs_logprob_diff"] == 0.0 and score["kl_estimate"] == 0.0
 
 
 def test_wrong_model_fails_fast_with_the_endpoint_message(invariant_worker, tmp_path):
