@@ -242,6 +242,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise TypeError(f"paged_attention: q and caches in one of {_SUPPORTED}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("paged_attention: the caches must be contiguous")
+    if q.stride(2) != 1:  # rows may be strided (a view of a fused qkv), elements may not
+        q = q.contiguous()
     num_tokens, hq, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
     group = hq // hkv
