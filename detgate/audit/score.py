@@ -9,6 +9,7 @@ logp_sampler - logp_trainer (a Monte Carlo estimate of KL(sampler || trainer)).
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -17,6 +18,8 @@ from detgate.audit.sample import Sample
 
 # Answers meaning "this endpoint has no score route".
 NO_ROUTE_STATUSES = frozenset({404, 405})
+# The gateway's answer when no worker behind it offers the built-in score (vLLM only).
+NO_SCORE_WORKER = (409, "no_score_worker")
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,18 @@ def compare_to_teacher(index: int, sampled: Sequence[float | None],
     )
 
 
+def no_score_route(exc: AuditRequestError) -> bool:
+    if exc.status in NO_ROUTE_STATUSES:
+        return True
+    if exc.status != NO_SCORE_WORKER[0]:
+        return False
+    try:
+        error = json.loads(exc.body).get("error")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("code") == NO_SCORE_WORKER[1]
+
+
 def scorable(sample: Sample) -> bool:
     return (sample.token_ids is not None and sample.prompt_token_ids is not None
             and sample.logprobs is not None and len(sample.token_ids) > 0)
@@ -84,7 +99,7 @@ async def score_samples(client: EndpointClient, samples: Sequence[Sample], concu
                     teacher = await client.score(ids, start)
                     report.scored.append(compare_to_teacher(sample.index, sample.logprobs, teacher))
                 except AuditRequestError as exc:
-                    if exc.status in NO_ROUTE_STATUSES:
+                    if no_score_route(exc):
                         report.unsupported = str(exc)
                     else:
                         report.errors.append(f"sample {sample.index}: {exc}")

@@ -8,12 +8,16 @@ ones it sampled.
 
 from __future__ import annotations
 
+import json
+import os
 import struct
+import subprocess
 
 import httpx
 import pytest
 
 from tests.gateway.conftest import start_workers
+from tests.support.procs import detgate_cmd
 
 IDS = [5, 6, 7, 8, 9, 10, 11, 12]
 MAX_SCORE_TOKENS = 64
@@ -196,3 +200,17 @@ def test_a_vllm_worker_is_never_asked_to_score(start_gateway_module, vllm_worker
     assert gw.metric("detgate_upstream_duration_seconds_count",
                      worker=vllm_worker_module.url) == 0
     assert vllm_worker_module.forwarded() == []
+
+
+def test_audit_score_says_once_that_no_worker_behind_the_gateway_scores(
+        start_gateway_module, vllm_worker_module, tmp_path):
+    gw = start_gateway_module([vllm_worker_module.url])
+    out = tmp_path / "audit.json"
+    run = subprocess.run(
+        detgate_cmd("audit", "--base-url", gw.url + "/v1", "--model", "Qwen/Qwen3-8B",
+                    "--prompt", "hello", "-n", "4", "--score", "--json", str(out)),
+        capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    score = json.loads(out.read_text())["details"]["score"]
+    assert score["scored"] == 0 and score["errors"] == []
+    assert "built-in" in score["unsupported"], score
