@@ -12,12 +12,13 @@ import json
 import os
 import struct
 import subprocess
+import time
 
 import httpx
 import pytest
 
 from tests.gateway.conftest import start_workers
-from tests.support.procs import detgate_cmd
+from tests.support.procs import detgate_cmd, free_port
 
 IDS = [5, 6, 7, 8, 9, 10, 11, 12]
 MAX_SCORE_TOKENS = 64
@@ -71,6 +72,7 @@ def upstream_calls(gw, workers) -> float:
 
 def test_score_through_the_gateway_equals_the_worker_bitwise(gw, workers, model, fingerprints):
     before = gw.metric("detgate_requests_total", endpoint="/v1/score", code="200")
+    keys = gw.redis_keys()
     for mode, worker in zip(["batch_invariant", "default"], workers, strict=True):
         body = {"model": model, "token_ids": IDS, "start": 3}
         direct = httpx.post(worker.url + "/v1/score", json=body, timeout=60)
@@ -84,6 +86,20 @@ def test_score_through_the_gateway_equals_the_worker_bitwise(gw, workers, model,
         assert (out["start"], out["token_ids"], len(out["logprobs"])) == (3, IDS, len(IDS) - 3)
     after = gw.metric("detgate_requests_total", endpoint="/v1/score", code="200")
     assert after - before == 2
+    assert gw.redis_keys() == keys  # a score is not recorded
+
+
+def test_score_needs_no_redis(start_gateway_module, workers, model):
+    gw = start_gateway_module([workers[0].url], redis=f"redis://127.0.0.1:{free_port()}/0",
+                              wait="/healthz")
+    with gw.http() as http:
+        deadline = time.monotonic() + 60
+        while not http.get("/v1/models").json()["data"]:  # the worker's first health check
+            assert time.monotonic() < deadline, "the gateway never saw the worker"
+            time.sleep(0.1)
+        assert http.get("/readyz").status_code == 503  # Redis is down...
+        r = http.post("/v1/score", json={"model": model, "token_ids": IDS})
+    assert r.status_code == 200, r.text  # ...and the read-only score is served all the same
 
 
 def test_start_defaults_to_one_as_on_the_worker(gw, model):
