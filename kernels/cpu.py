@@ -3,11 +3,12 @@
 What was measured (torch 2.13 CPU, MKL 2024.2, AVX2), and what each function relies on:
 
 - fp32 `torch.mm`: MKL takes gemv or small-M code paths for M in {1, 2, 3, 5, 6, 7, 9, 10,
-  11}, which reduce K in another order; every M >= 12 and M = 4, 8 give each row the same
-  bits, whatever the row's position in the batch or the number of threads. So calls below
-  `_SMALL_M` rows are padded with zero rows to a multiple of 4. The cheapest invariant
-  choice: fixed-shape row tiles cost 1.5-10x at prefill sizes, padding to 16 rows costs
-  more at M = 1 than padding to 4.
+  11}, which reduce K in another order. With many threads it splits M among them, and a
+  thread's share of such a size takes the same paths (seen at 16 threads: M = 17-19, 25-27
+  differ). Row counts that are multiples of 4 give each row the same bits at every M, at any
+  row offset, on 1 to 64 threads. So fp32 calls are padded with zero rows to a multiple of 4.
+  The cheapest invariant choice: fixed-shape row tiles cost 1.5-10x at prefill sizes, padding
+  to 16 rows costs more at M = 1 than padding to 4.
 - bf16/fp16 `torch.mm`: on this CPU (no native bf16 dot product) every row is reduced on
   its own, so rows are invariant at every M without padding (and padding would cost in
   proportion to the added rows).
@@ -26,15 +27,15 @@ import math
 
 import torch
 
-# Below this many rows MKL's fp32 GEMM may pick a row-count-specific path (see above).
-_SMALL_M = 16
+# MKL's fp32 GEMM gives each row the same bits at every row count that is a multiple of this.
+_ROW_MULTIPLE = 4
 # Inner chunk of the two-level row sum: short enough that no iterator splits it.
 _ROW_CHUNK = 64
 
 
 def invariant_rows(m: int) -> int:
     """Row count to hand MKL's fp32 GEMM so that each row's bits do not depend on `m`."""
-    return m if m >= _SMALL_M else -(-m // 4) * 4
+    return -(-m // _ROW_MULTIPLE) * _ROW_MULTIPLE
 
 
 def pad_rows(x: torch.Tensor, rows: int, dim: int = -2) -> torch.Tensor:
@@ -57,7 +58,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -
     if a.dtype != b.dtype:
         raise ValueError(f"matmul: dtypes differ: {a.dtype} vs {b.dtype}")
     m = a.shape[0]
-    if a.dtype == torch.float32 and m < _SMALL_M:
+    if a.dtype == torch.float32 and m % _ROW_MULTIPLE:
         out = torch.mm(pad_rows(a, invariant_rows(m)), b)[:m]
     else:
         out = torch.mm(a, b)
