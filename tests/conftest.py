@@ -47,7 +47,8 @@ def start_worker(tiny_model, tmp_path) -> Iterator:
         port = port or free_port()
         args = detgate_cmd("worker", "--model", str(tiny_model), "--mode", mode,
                            "--port", str(port), *extra)
-        proc = Proc(args, f"http://127.0.0.1:{port}", tmp_path / f"worker-{port}.log", env=env or {})
+        proc = Proc(args, f"http://127.0.0.1:{port}", tmp_path / f"worker-{port}.log",
+                    env=env or {})
         procs.append(proc)
         return proc.start("/health")
 

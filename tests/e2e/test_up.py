@@ -19,9 +19,9 @@ def stack(tmp_path, redis_url):
     port = free_port()
     env = {**os.environ, "DETGATE_STATE_DIR": str(tmp_path / "state"),
            "DETGATE_REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1"}
-    log = open(tmp_path / "up.log", "wb")
-    proc = subprocess.Popen(detgate_cmd("up", "--workers", "1", "--port", str(port)),
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    with open(tmp_path / "up.log", "wb") as log:
+        proc = subprocess.Popen(detgate_cmd("up", "--workers", "1", "--port", str(port)),
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
@@ -38,7 +38,6 @@ def stack(tmp_path, redis_url):
     yield base, proc, tmp_path / "up.log"
     if proc.poll() is None:
         proc.kill()
-    log.close()
 
 
 def test_up_serves_records_replays_and_stops_cleanly(stack):

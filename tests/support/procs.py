@@ -31,15 +31,16 @@ class Proc:
     popen: subprocess.Popen | None = None
 
     def start(self, health_path: str = "/health", timeout: float = 120.0) -> Proc:
-        log = open(self.log_path, "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
-        self.popen = subprocess.Popen(
-            self.args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        with open(self.log_path, "ab") as log:  # the child keeps its own copy of the descriptor
+            self.popen = subprocess.Popen(
+                self.args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.popen.poll() is not None:
-                raise RuntimeError(f"{self.args} exited with {self.popen.returncode}:\n{self.log()}")
+                code = self.popen.returncode
+                raise RuntimeError(f"{self.args} exited with {code}:\n{self.log()}")
             try:
                 if httpx.get(self.url + health_path, timeout=1.0).status_code == 200:
                     return self
