@@ -12,13 +12,17 @@ holds positions [t*KV_TILE, (t+1)*KV_TILE), whatever the cache's block size). Fo
 
 Every product is an fp32 batched GEMM with fixed inner shapes (q.k: K = head dim, N =
 KV_TILE; p.v: K = KV_TILE, N = head dim) whose row count varies with the number of queries;
-MKL's GEMM gives each row the same bits for every row count from `invariant_rows` on
-(measured, see kernels/cpu.py), and for every number of matrices in the batch.
+MKL's GEMM gives each row the same bits at every row count that is a multiple of 4 (measured,
+see kernels/cpu.py), and for every number of matrices in the batch.
 
-The whole call is a fixed, small number of torch ops (no loop over tiles or sequences): on
-small models the per-op overhead, not the arithmetic, is what costs. Layout: [Hkv, B, ...] so
-that (kv head, sequence) pairs merge into one GEMM batch dimension without copies; rows of a
-(sequence, kv head) are (query j, head g of the group) at j * group + g.
+So how the sequences of one call are grouped changes no bit, only the work: sequences are
+bucketed by their row count rounded up to a power of two (decodes together, prefill chunks of
+similar lengths together), and each bucket gathers and scores only the key tiles its own
+sequences reach. Within a bucket the work is a fixed, small number of torch ops per kv head
+(no loop over tiles or sequences): on small models the per-op overhead, not the arithmetic, is
+what costs. Layout: K/V are gathered once as [B, L, Hkv, D] and each kv head's tiles are read
+in place (always the same row stride, Hkv * D), the sequences forming the GEMM batch; the rows
+of a (sequence, kv head) are (query j, head g of the group) at j * group + g.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from kernels.cpu import invariant_rows
 KV_TILE = 64
 # Rows are processed in chunks so that the scores of one chunk stay within this many floats.
 _SCORE_BUDGET = 1 << 24
+# Smallest row chunk: a row count the GEMM is invariant at (any multiple of 4 is).
+_MIN_CHUNK = 16
 # Position given to padding rows: after every key (finite scores, never used).
 _NEVER = 1 << 30
 
@@ -45,16 +51,24 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+def _bucket_rows(rows: int) -> int:
+    """Padded row count of a sequence with `rows` query rows: a power of two, at least the
+    invariant row count of one query's group (so decodes of one call share one bucket)."""
+    return max(invariant_rows(rows), 1 << (rows - 1).bit_length())
+
+
 def _gather_kv(cache: torch.Tensor, blocks: torch.Tensor, length: int, invalid: torch.Tensor
                ) -> torch.Tensor:
-    """Whole cache blocks [B, nb] -> positions 0..length-1 as [Hkv, B, L, D] fp32, zero where
-    invalid (never NaN: the probabilities there are 0, and 0 * NaN would not be)."""
+    """Whole cache blocks [B, nb] -> positions 0..length-1 as [Hkv, B, L, D] fp32, zero at the
+    `invalid` flat positions [n] of [B, L] (never NaN: the probabilities there are 0, and
+    0 * NaN would not be). A transposed view of [B, L, Hkv, D]: no copy, each kv head's
+    matrices are read in place with a row stride of Hkv * D."""
     batch, num = blocks.shape
     hkv, d = cache.shape[2:]
     rows = cache.index_select(0, blocks.view(-1)).view(batch, num * cache.shape[1], hkv, d)
-    out = torch.empty(hkv, batch, length, d)  # one pass: transpose, widen and zero together
-    return torch.where(invalid[None, :, :, None], torch.zeros(()),
-                       rows[:, :length].permute(2, 0, 1, 3).float(), out=out)
+    rows = rows[:, :length]
+    rows.view(batch * length, hkv * d).index_fill_(0, invalid, 0.0)
+    return rows.float().permute(2, 0, 1, 3)
 
 
 def _attend(qp: torch.Tensor, row_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -69,8 +83,7 @@ def _attend(qp: torch.Tensor, row_pos: torch.Tensor, k: torch.Tensor, v: torch.T
     key_pos = torch.arange(tiles * KV_TILE).view(1, 1, tiles, 1, KV_TILE)
     hidden = key_pos > row_pos.view(1, batch, 1, rows, 1)
     seen = (~hidden).float()  # 1 where the key is visible
-    m = (s + torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))).amax(
-        dim=(2, 4), keepdim=True)
+    m = s.masked_fill(hidden, float("-inf")).amax(dim=(2, 4), keepdim=True)
     # exp of -inf (or of anything that underflows) takes a slow path on x86: exponentiate
     # zeros where keys are hidden, then zero those probabilities exactly.
     p = s.sub_(m).mul_(seen).exp_().mul_(seen)
@@ -80,53 +93,85 @@ def _attend(qp: torch.Tensor, row_pos: torch.Tensor, k: torch.Tensor, v: torch.T
     return acc / denom[..., None]
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                    seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal GQA attention of q [T, Hq, D] over the paged cache; see kernels/attention.py."""
-    num_tokens, hq, d = q.shape
+def _attend_bucket(qs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   tables: torch.Tensor, starts: list[int], qlens: list[int], lens: list[int],
+                   rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences of one bucket, each padded to `rows` rows: (their tokens [n], out [n, Hq, D]).
+
+    qs [T, Hq, D] are all of the call's queries, scaled; tables [B, max_blocks] the bucket's
+    block tables; starts, qlens, lens: each sequence's first token, query count and length.
+    """
+    hq, d = qs.shape[1:]
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
     batch = len(lens)
-    qlens = [starts[i + 1] - starts[i] for i in range(batch)]
     num_tiles = -(-max(lens) // KV_TILE)
 
-    # Keys by position: position p of sequence b lives in block block_tables[b, p // block_size].
+    # Keys by position: position p of sequence b lives in block tables[b, p // block_size].
     length = num_tiles * KV_TILE
-    cols = torch.arange(-(-length // block_size)).clamp(max=block_tables.shape[1] - 1)
-    blocks = block_tables[:, cols].long().clamp(min=0)
-    invalid = torch.arange(length)[None, :] >= seq_lens[:, None].long()  # [B, L]
+    cols = torch.arange(-(-length // block_size)).clamp(max=tables.shape[1] - 1)
+    blocks = tables[:, cols].long().clamp(min=0)
+    invalid = (torch.arange(length)[None, :] >= torch.tensor(lens)[:, None]).view(-1)
+    invalid = invalid.nonzero().view(-1)  # flat positions of [B, L] past each sequence's end
     k = _gather_kv(k_cache, blocks, length, invalid)  # [Hkv, B, L, D]
     v = _gather_kv(v_cache, blocks, length, invalid)
 
-    # Queries as rows [Hkv, B, R, D], padded to a row count the GEMM is invariant at, with the
-    # softmax scale folded in once; row_pos [B, R] holds each row's query position.
-    rows = invariant_rows(max(qlens) * group)
-    seq_of = torch.repeat_interleave(torch.arange(batch), torch.tensor(qlens),
-                                     output_size=num_tokens)
-    j_of = torch.arange(num_tokens) - query_start_loc[:-1].long()[seq_of]
-    row_of = j_of[:, None] * group + torch.arange(group)  # [T, group]
+    # Queries as rows [Hkv, B, R, D] (zero padding rows); row_pos [B, R] holds each row's
+    # query position.
+    qlen_t = torch.tensor(qlens)
+    num = sum(qlens)
+    seq_of = torch.repeat_interleave(torch.arange(batch), qlen_t, output_size=num)
+    first = torch.tensor(starts)  # [B] each sequence's first token in the call
+    offset = torch.cumsum(qlen_t, 0) - qlen_t  # [B] first row of each sequence in `tokens`
+    j_of = torch.arange(num) - offset[seq_of]
+    tokens = first[seq_of] + j_of  # [n] the call's token of each bucket query
+    row_of = j_of[:, None] * group + torch.arange(group)  # [n, group]
     qp = torch.zeros(hkv, batch, rows, d)
-    qp[:, seq_of[:, None], row_of] = (q.float() * scale).view(num_tokens, hkv, group, d
-                                                              ).permute(1, 0, 2, 3)
+    qp[:, seq_of[:, None], row_of] = qs[tokens].view(num, hkv, group, d).permute(1, 0, 2, 3)
     row_pos = torch.full((batch, rows), _NEVER)
-    first_pos = torch.tensor([n - qn for n, qn in zip(lens, qlens, strict=True)])
+    first_pos = torch.tensor(lens) - qlen_t
     row_pos[seq_of[:, None], row_of] = (first_pos[seq_of] + j_of)[:, None]
 
-    # Row chunks of one tile of queries (at least 16 rows: an invariant GEMM row count), each
-    # over the key tiles its queries can see (the tiles it skips would add exact zeros).
-    chunk = max(16, min(KV_TILE * group, _SCORE_BUDGET // (hkv * batch * num_tiles * KV_TILE)))
+    # Row chunks of at most one tile of queries (a multiple of 4 rows, as every GEMM row count
+    # here must be), each over the key tiles its queries can see (the tiles it skips would add
+    # exact zeros).
+    budget = _SCORE_BUDGET // (hkv * batch * length) // 4 * 4
+    chunk = max(_MIN_CHUNK, min(KV_TILE * group, budget))
     edges = list(range(0, rows, chunk))
-    if len(edges) > 1 and rows - edges[-1] < 16:
+    if len(edges) > 1 and rows - edges[-1] < _MIN_CHUNK:
         edges.pop()
     edges.append(rows)
     real_pos = torch.where(row_pos < _NEVER, row_pos, 0)
     parts = []
     for lo, hi in zip(edges[:-1], edges[1:], strict=True):
         keys = (int(real_pos[:, lo:hi].max()) // KV_TILE + 1) * KV_TILE
-        parts.append(_attend(qp[:, :, lo:hi], row_pos[:, lo:hi], k[:, :, :keys], v[:, :, :keys]))
+        # One kv head at a time: (head, sequence) pairs of the strided K/V do not merge into
+        # one GEMM batch dimension, and copying K/V to a layout where they do costs more.
+        parts.append(torch.cat([
+            _attend(qp[h:h + 1, :, lo:hi], row_pos[:, lo:hi], k[h:h + 1, :, :keys],
+                    v[h:h + 1, :, :keys]) for h in range(hkv)]))
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)  # [Hkv, B, R, D]
-    return out[:, seq_of[:, None], row_of].permute(1, 0, 2, 3).reshape(num_tokens, hq, d
-                                                                       ).to(q.dtype)
+    return tokens, out[:, seq_of[:, None], row_of].permute(1, 0, 2, 3).reshape(num, hq, d)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal GQA attention of q [T, Hq, D] over the paged cache; see kernels/attention.py."""
+    group = q.shape[1] // k_cache.shape[2]
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    qlens = [starts[i + 1] - starts[i] for i in range(len(lens))]
+    buckets: dict[int, list[int]] = {}
+    for i, n in enumerate(qlens):
+        if n:
+            buckets.setdefault(_bucket_rows(n * group), []).append(i)
+
+    qs = q.float() * scale  # the softmax scale folded into the queries once
+    out = torch.empty(qs.shape)
+    for rows, seqs in buckets.items():
+        tokens, part = _attend_bucket(qs, k_cache, v_cache, block_tables[seqs],
+                                      [starts[i] for i in seqs], [qlens[i] for i in seqs],
+                                      [lens[i] for i in seqs], rows)
+        out[tokens] = part
+    return out.to(q.dtype)
