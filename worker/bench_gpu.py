@@ -42,6 +42,8 @@ from worker.ops import make_ops
 from worker.random_model import load_random
 
 T0 = time.time()
+PHASES = ("kernel_check", "build", "warmup", "determinism", "score", "cost", "cost_eager",
+          "decode_step")
 
 
 def log(*parts) -> None:
@@ -71,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-reference", action="store_true",
                    help=f"CUDA: skip the {REFERENCE} cost reference")
     p.add_argument("--deadline", type=float, default=400.0, help="seconds; later phases skip")
+    p.add_argument("--phases", default=",".join(PHASES),
+                   help="comma-separated subset of: " + ", ".join(PHASES))
+    p.add_argument("--capture-width", type=int, default=1024,
+                   help="warm-up captures decode graphs up to this context width")
     return p
 
 
@@ -99,6 +105,8 @@ class Experiment:
         self.det_out: dict[str, dict[str, wl.Completion]] = {}
 
     def phase(self, name: str, fn) -> None:
+        if name not in self.args.phases.split(","):
+            return
         if time.time() - T0 > self.args.deadline:
             self.result[name] = {"skipped": f"past the {self.args.deadline:.0f}s deadline"}
             log(f"{name}: skipped (deadline)")
@@ -160,7 +168,7 @@ class Experiment:
         for mode, engine in engines.items():
             start = time.time()
             graphs = engine.runner.graphs
-            captured = graphs.capture_all(1024) if graphs is not None else 0
+            captured = graphs.capture_all(self.args.capture_width) if graphs else 0
             _, stats = wl.run(engine, reqs, arrival_seed=5)
             info[mode] = {"graphs": captured, "graph_failed": bool(graphs and graphs.failed),
                           "seconds": round(time.time() - start, 1), "steps": stats.steps}

@@ -22,7 +22,7 @@ import torch
 
 from worker.config import DTYPES, ModelConfig
 from worker.loader import LoadedModel, fingerprint_parts, packed_name
-from worker.make_model import PRESETS, checkpoint_tensors, hf_config, write_tokenizer
+from worker.make_model import PRESETS, Preset, checkpoint_tensors, hf_config, write_tokenizer
 from worker.models import build_model
 from worker.models.decoder import CausalLM
 from worker.models.layers.linear import Linear
@@ -30,11 +30,12 @@ from worker.ops import make_ops
 from worker.tokenizer import Tokenizer
 
 
-def load_random(preset_name: str, folder: Path, *, seed: int, device: str | torch.device,
+def load_random(preset: str | Preset, folder: Path, *, seed: int, device: str | torch.device,
                 mode: str, dtype: str | None = None) -> LoadedModel:
     """Write the preset's config and tokenizer into `folder` (reused if there), then build the
-    model on `device` with random weights from `seed`. dtype: the preset's unless given."""
-    preset = PRESETS[preset_name]
+    model on `device` with random weights from `seed`. dtype: the preset's unless given.
+    `preset`: a name of make-model's, or a Preset of one's own (e.g. fewer layers)."""
+    preset = PRESETS[preset] if isinstance(preset, str) else preset
     folder = Path(folder)
     device = torch.device(device)
     dtype = DTYPES[dtype or preset.dtype]
@@ -50,7 +51,7 @@ def load_random(preset_name: str, folder: Path, *, seed: int, device: str | torc
     with torch.device(device):
         model = build_model(config, make_ops(mode))
     fill_random(model, preset, config.vocab_size, seed)
-    parts = fingerprint_parts(f"random:{preset_name}:{seed}:{device.type}",
+    parts = fingerprint_parts(f"random:{preset.name}:{seed}:{device.type}",
                               hashlib.sha256(config_bytes).hexdigest(), mode, dtype, device)
     return LoadedModel(model, config, tokenizer, parts)
 

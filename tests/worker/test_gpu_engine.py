@@ -6,10 +6,13 @@ with decode steps replayed from CUDA graphs.
 - CUDA graphs change nothing: the same traffic run eagerly gives the same bits;
 - the trainer's view: teacher-forced scoring (one pass, no KV reuse) equals the sampled
   logprobs bitwise;
-- negative control: default mode (cuBLAS, SDPA) shows differences on the same traffic.
+- negative control: default mode (cuBLAS, SDPA) shows differences on the same traffic, on a
+  model as wide as Qwen3-8B (two layers), where the batch-invariant engine is checked too.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -18,6 +21,8 @@ from worker import bench_workloads as wl
 from worker.engine import Engine
 from worker.engine_config import EngineConfig
 from worker.loader import load
+from worker.make_model import PRESETS
+from worker.random_model import load_random
 
 pytestmark = [
     pytest.mark.gpu,
@@ -92,9 +97,32 @@ def test_score_equals_sampled_logprobs(tiny_model):
     assert result["all_equal"], result
 
 
-def test_negative_control_default_mode_differs(tiny_model):
-    eng = engine(tiny_model, "default", "bfloat16")
-    alone, crowded, _ = alone_and_crowded(eng)
+@pytest.fixture(scope="module")
+def wide_models(tmp_path_factory) -> dict:
+    """Two layers of Qwen3-8B's width, random weights on the GPU, in both modes: the tiny
+    model's matmuls are too small for cuBLAS to change its reduction with the batch (its default
+    mode showed no difference on an H200); o_proj and down_proj at width 4096 do."""
+    preset = dataclasses.replace(PRESETS["qwen3-8b-shape"], name="qwen3-8b-width-2-layers",
+                                 num_layers=2)
+    folder = tmp_path_factory.mktemp("wide")
+    return {mode: load_random(preset, folder, seed=0, device="cuda", mode=mode)
+            for mode in ("default", "batch_invariant")}
+
+
+def wide_engine(loaded) -> Engine:
+    config = EngineConfig(model="wide", mode=loaded.fingerprint_parts["mode"], device="cuda",
+                          dtype="bfloat16", max_num_seqs=64, max_num_batched_tokens=1024,
+                          kv_cache_mb=256)
+    return Engine(config, loaded.model, loaded.config)
+
+
+def test_wide_model_needle_in_batch_is_bit_identical(wide_models):
+    alone, crowded, _ = alone_and_crowded(wide_engine(wide_models["batch_invariant"]))
+    assert needle_results(crowded) == [(alone.token_ids, alone.logprobs)] * 6
+
+
+def test_negative_control_default_mode_differs(wide_models):
+    alone, crowded, _ = alone_and_crowded(wide_engine(wide_models["default"]))
     # Exact float comparison: the differences may be a few bits of some logprobs.
     assert any(r != (alone.token_ids, alone.logprobs) for r in needle_results(crowded))
 
