@@ -73,13 +73,21 @@ def _gather_kv(cache: torch.Tensor, blocks: torch.Tensor, length: int, invalid: 
 
 def _attend(qp: torch.Tensor, row_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             ) -> torch.Tensor:
-    """Rows qp [Hkv, B, R, D] at positions row_pos [B, R] over keys k, v [Hkv, B, L, D]."""
+    """Rows qp [Hkv, B, R, D] at positions row_pos [B, R] over keys k, v [Hkv, B, L, D].
+
+    k, v are views of [B, L', Hkv, D] (L <= L'): the GEMMs run one kv head at a time, since
+    (head, sequence) pairs of those views do not merge into one batch dimension; everything
+    else runs once. Where L < L', (sequence, tile) pairs do not merge either and `reshape`
+    copies: the GEMM's bits do not depend on the row stride it reads K/V with (the bucket
+    tests compare chunks that read fewer tiles than were gathered with ones that do not)."""
     hkv, batch, rows, d = qp.shape
     tiles = k.shape[2] // KV_TILE
-    k_t = k.view(hkv * batch, tiles, KV_TILE, d).transpose(-1, -2)  # [HB, T, D, TILE]
-    v_t = v.view(hkv * batch, tiles, KV_TILE, d)
-    q_t = qp.reshape(hkv * batch, 1, rows, d).expand(-1, tiles, -1, -1)
-    s = torch.matmul(q_t, k_t).view(hkv, batch, tiles, rows, KV_TILE)
+    q_t = qp[:, :, None].expand(-1, -1, tiles, -1, -1).reshape(hkv, batch * tiles, rows, d)
+    s = torch.empty(hkv, batch * tiles, rows, KV_TILE)
+    for h in range(hkv):
+        k_t = k[h].reshape(batch * tiles, KV_TILE, d).transpose(-1, -2)  # [BT, D, TILE]
+        torch.bmm(q_t[h], k_t, out=s[h])
+    s = s.view(hkv, batch, tiles, rows, KV_TILE)
     key_pos = torch.arange(tiles * KV_TILE).view(1, 1, tiles, 1, KV_TILE)
     hidden = key_pos > row_pos.view(1, batch, 1, rows, 1)
     seen = (~hidden).float()  # 1 where the key is visible
@@ -88,8 +96,11 @@ def _attend(qp: torch.Tensor, row_pos: torch.Tensor, k: torch.Tensor, v: torch.T
     # zeros where keys are hidden, then zero those probabilities exactly.
     p = s.sub_(m).mul_(seen).exp_().mul_(seen)
     denom = p.sum(-1).cumsum(2)[:, :, -1]  # [Hkv, B, R]
-    pv = torch.matmul(p.view(hkv * batch, tiles, rows, KV_TILE), v_t)  # [HB, T, R, D]
-    acc = pv.cumsum(1)[:, -1].view(hkv, batch, rows, d)
+    p_t = p.view(hkv, batch * tiles, rows, KV_TILE)
+    pv = torch.empty(hkv, batch * tiles, rows, d)
+    for h in range(hkv):
+        torch.bmm(p_t[h], v[h].reshape(batch * tiles, KV_TILE, d), out=pv[h])
+    acc = pv.view(hkv, batch, tiles, rows, d).cumsum(2)[:, :, -1]
     return acc / denom[..., None]
 
 
@@ -145,11 +156,7 @@ def _attend_bucket(qs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     parts = []
     for lo, hi in zip(edges[:-1], edges[1:], strict=True):
         keys = (int(real_pos[:, lo:hi].max()) // KV_TILE + 1) * KV_TILE
-        # One kv head at a time: (head, sequence) pairs of the strided K/V do not merge into
-        # one GEMM batch dimension, and copying K/V to a layout where they do costs more.
-        parts.append(torch.cat([
-            _attend(qp[h:h + 1, :, lo:hi], row_pos[:, lo:hi], k[h:h + 1, :, :keys],
-                    v[h:h + 1, :, :keys]) for h in range(hkv)]))
+        parts.append(_attend(qp[:, :, lo:hi], row_pos[:, lo:hi], k[:, :, :keys], v[:, :, :keys]))
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)  # [Hkv, B, R, D]
     return tokens, out[:, seq_of[:, None], row_of].permute(1, 0, 2, 3).reshape(num, hq, d)
 
