@@ -16,20 +16,21 @@ MKL's GEMM gives each row the same bits at every row count that is a multiple of
 see kernels/cpu.py), and for every number of matrices in the batch.
 
 So how the sequences of one call are grouped changes no bit, only the work: sequences are
-bucketed by their row count rounded up to a power of two (decodes together, prefill chunks of
-similar lengths together), and each bucket gathers and scores only the key tiles its own
-sequences reach. Within a bucket the work is a fixed, small number of torch ops per kv head
-(no loop over tiles or sequences): on small models the per-op overhead, not the arithmetic, is
-what costs. Layout: K/V are gathered once as [B, L, Hkv, D] and each kv head's tiles are read
-in place (always the same row stride, Hkv * D), the sequences forming the GEMM batch; the rows
-of a (sequence, kv head) are (query j, head g of the group) at j * group + g.
+bucketed by their query count rounded up to a power of two (decodes together, prefill chunks
+of similar lengths together), and each bucket gathers and scores only the key tiles its own
+sequences reach. Within a bucket the work is a fixed, small number of torch ops (no loop over
+tiles or sequences; only the GEMMs run once per kv head): on small models the per-op
+overhead, not the arithmetic, is what costs. Layout: K/V are gathered once as [B, L, Hkv, D]
+and each kv head's tiles are read in place (row stride Hkv * D), the sequences forming the
+GEMM batch; the rows of a (sequence, kv head) are (query slot j, head g of the group) at
+j * group + g.
 """
 
 from __future__ import annotations
 
-import torch
+import math
 
-from kernels.cpu import invariant_rows
+import torch
 
 KV_TILE = 64
 # Rows are processed in chunks so that the scores of one chunk stay within this many floats.
@@ -51,10 +52,12 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def _bucket_rows(rows: int) -> int:
-    """Padded row count of a sequence with `rows` query rows: a power of two, at least the
-    invariant row count of one query's group (so decodes of one call share one bucket)."""
-    return max(invariant_rows(rows), 1 << (rows - 1).bit_length())
+def _bucket_slots(qlen: int, group: int) -> int:
+    """Query slots of the bucket of a sequence with `qlen` queries: a power of two whose rows
+    (slots * group) are a multiple of 4, so decodes of one call share one bucket and every
+    bucket's GEMM row count is one MKL is invariant at."""
+    least = 4 // math.gcd(group, 4)
+    return max(least, 1 << (qlen - 1).bit_length())
 
 
 def _gather_kv(cache: torch.Tensor, blocks: torch.Tensor, length: int, invalid: torch.Tensor
@@ -104,44 +107,40 @@ def _attend(qp: torch.Tensor, row_pos: torch.Tensor, k: torch.Tensor, v: torch.T
     return acc / denom[..., None]
 
 
-def _attend_bucket(qs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   tables: torch.Tensor, starts: list[int], qlens: list[int], lens: list[int],
-                   rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sequences of one bucket, each padded to `rows` rows: (their tokens [n], out [n, Hq, D]).
+def _attend_bucket(qs: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, tables: torch.Tensor, starts: list[int],
+                   qlens: list[int], lens: list[int], slots: int) -> None:
+    """Sequences of one bucket, each padded to `slots` queries: writes their rows of `out`.
 
-    qs [T, Hq, D] are all of the call's queries, scaled; tables [B, max_blocks] the bucket's
-    block tables; starts, qlens, lens: each sequence's first token, query count and length.
+    qs [T + 1, Hq, D] are the call's queries, scaled, and a zero row T that padding slots
+    read; out [T + 1, Hq, D] gets each query's output at its token (padding slots write row
+    T). tables [B, max_blocks] are the bucket's block tables; starts, qlens, lens: each
+    sequence's first token, query count and length.
     """
     hq, d = qs.shape[1:]
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
-    batch = len(lens)
+    batch, rows = len(lens), slots * group
     num_tiles = -(-max(lens) // KV_TILE)
 
     # Keys by position: position p of sequence b lives in block tables[b, p // block_size].
     length = num_tiles * KV_TILE
+    first, qlen, seq_len = torch.tensor([starts, qlens, lens])[:, :, None]  # each [B, 1]
     cols = torch.arange(-(-length // block_size)).clamp(max=tables.shape[1] - 1)
     blocks = tables[:, cols].long().clamp(min=0)
-    invalid = (torch.arange(length)[None, :] >= torch.tensor(lens)[:, None]).view(-1)
-    invalid = invalid.nonzero().view(-1)  # flat positions of [B, L] past each sequence's end
+    invalid = (torch.arange(length) >= seq_len).view(-1).nonzero().view(-1)  # flat [B, L]
     k = _gather_kv(k_cache, blocks, length, invalid)  # [Hkv, B, L, D]
     v = _gather_kv(v_cache, blocks, length, invalid)
 
-    # Queries as rows [Hkv, B, R, D] (zero padding rows); row_pos [B, R] holds each row's
-    # query position.
-    qlen_t = torch.tensor(qlens)
-    num = sum(qlens)
-    seq_of = torch.repeat_interleave(torch.arange(batch), qlen_t, output_size=num)
-    first = torch.tensor(starts)  # [B] each sequence's first token in the call
-    offset = torch.cumsum(qlen_t, 0) - qlen_t  # [B] first row of each sequence in `tokens`
-    j_of = torch.arange(num) - offset[seq_of]
-    tokens = first[seq_of] + j_of  # [n] the call's token of each bucket query
-    row_of = j_of[:, None] * group + torch.arange(group)  # [n, group]
-    qp = torch.zeros(hkv, batch, rows, d)
-    qp[:, seq_of[:, None], row_of] = qs[tokens].view(num, hkv, group, d).permute(1, 0, 2, 3)
-    row_pos = torch.full((batch, rows), _NEVER)
-    first_pos = torch.tensor(lens) - qlen_t
-    row_pos[seq_of[:, None], row_of] = (first_pos[seq_of] + j_of)[:, None]
+    # Queries as rows [Hkv, B, R, D], row (slot j, head g of the group) at j * group + g;
+    # row_pos [B, R] holds each row's query position (_NEVER for padding rows).
+    j = torch.arange(slots)
+    pad = j >= qlen  # [B, slots]
+    tokens = (first + j).masked_fill_(pad, qs.shape[0] - 1)
+    qp = qs[tokens].view(batch, slots, hkv, group, d).permute(2, 0, 1, 3, 4)
+    qp = qp.reshape(hkv, batch, rows, d)
+    row_pos = (seq_len - qlen + j).masked_fill_(pad, _NEVER)
+    row_pos = row_pos[:, :, None].expand(-1, -1, group).reshape(batch, rows)
 
     # Row chunks of at most one tile of queries (a multiple of 4 rows, as every GEMM row count
     # here must be), each over the key tiles its queries can see (the tiles it skips would add
@@ -152,33 +151,38 @@ def _attend_bucket(qs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if len(edges) > 1 and rows - edges[-1] < _MIN_CHUNK:
         edges.pop()
     edges.append(rows)
-    real_pos = torch.where(row_pos < _NEVER, row_pos, 0)
     parts = []
     for lo, hi in zip(edges[:-1], edges[1:], strict=True):
-        keys = (int(real_pos[:, lo:hi].max()) // KV_TILE + 1) * KV_TILE
+        # The last position of a query with a row in [lo, hi), over the bucket's sequences.
+        last = max((n - q + min(q, -(-hi // group)) - 1
+                    for n, q in zip(lens, qlens, strict=True) if q > lo // group), default=0)
+        keys = (last // KV_TILE + 1) * KV_TILE
         parts.append(_attend(qp[:, :, lo:hi], row_pos[:, lo:hi], k[:, :, :keys], v[:, :, :keys]))
-    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)  # [Hkv, B, R, D]
-    return tokens, out[:, seq_of[:, None], row_of].permute(1, 0, 2, 3).reshape(num, hq, d)
+    att = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)  # [Hkv, B, R, D]
+    out[tokens.view(-1)] = att.view(hkv, batch, slots, group, d).permute(1, 2, 0, 3, 4).reshape(
+        batch * slots, hq, d)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal GQA attention of q [T, Hq, D] over the paged cache; see kernels/attention.py."""
-    group = q.shape[1] // k_cache.shape[2]
+    num_tokens, hq, d = q.shape
+    group = hq // k_cache.shape[2]
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     qlens = [starts[i + 1] - starts[i] for i in range(len(lens))]
     buckets: dict[int, list[int]] = {}
     for i, n in enumerate(qlens):
         if n:
-            buckets.setdefault(_bucket_rows(n * group), []).append(i)
+            buckets.setdefault(_bucket_slots(n, group), []).append(i)
 
-    qs = q.float() * scale  # the softmax scale folded into the queries once
-    out = torch.empty(qs.shape)
-    for rows, seqs in buckets.items():
-        tokens, part = _attend_bucket(qs, k_cache, v_cache, block_tables[seqs],
-                                      [starts[i] for i in seqs], [qlens[i] for i in seqs],
-                                      [lens[i] for i in seqs], rows)
-        out[tokens] = part
-    return out.to(q.dtype)
+    # The softmax scale folded into the queries once; row T stays zero for padding slots.
+    qs = torch.zeros(num_tokens + 1, hq, d)
+    qs[:num_tokens] = q.float() * scale
+    out = torch.empty(num_tokens + 1, hq, d)
+    for slots, seqs in buckets.items():
+        tables = block_tables if len(seqs) == len(lens) else block_tables[seqs]
+        _attend_bucket(qs, out, k_cache, v_cache, tables, [starts[i] for i in seqs],
+                       [qlens[i] for i in seqs], [lens[i] for i in seqs], slots)
+    return out[:num_tokens].to(q.dtype)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference
-from kernels.attention_cpu import _attend, _bucket_rows
+from kernels.attention_cpu import _attend, _bucket_slots
 from tests.kernels.paged_cases import World, make_world, prefill, step, with_block_size
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -96,8 +96,8 @@ def test_block_size_does_not_change_bits(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_bits_do_not_depend_on_the_bucket(dtype):
-    """The CPU kernel groups sequences by their query count (rounded up to a power of two of
-    rows) and gives each group only the key tiles it reaches. A prompt chunked across every
+    """The CPU kernel groups sequences by their query count (rounded up to a power of two)
+    and gives each group only the key tiles it reaches. A prompt chunked across every
     bucket boundary (1, 2, 3, 4, 5, 8, 9, 16, 17, 31, 32, 33 queries), each chunk alone or
     sharing its bucket with other sequences' decodes and chunks of other lengths, longer and
     shorter, gives the bits of the whole prompt prefilled alone."""
@@ -129,7 +129,9 @@ def test_bucket_rows_are_invariant_row_counts():
     """Every bucket's row count is a row count MKL's GEMM is invariant at (a multiple of 4).
     Negative control: the same rows attended as 1, 2 or 3 rows (MKL's gemv and small-M
     paths) give other bits, so a bucket of an odd row count would break the tests above."""
-    assert all(_bucket_rows(n) >= n and _bucket_rows(n) % 4 == 0 for n in range(1, 4097))
+    for group in range(1, 9):
+        assert all(_bucket_slots(n, group) >= n and _bucket_slots(n, group) * group % 4 == 0
+                   for n in range(1, 2049)), group
     gen = torch.Generator().manual_seed(29)
     k, v = (torch.randn(4, 8, 192, 64, generator=gen) for _ in range(2))
     q = torch.randn(4, 8, 4, 64, generator=gen)
