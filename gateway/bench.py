@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import importlib.metadata
 import os
 import platform
 import secrets
@@ -24,6 +23,8 @@ from pathlib import Path
 import aiohttp
 import orjson
 
+from detgate.provenance import cpu_model, git_commit, utc_now, versions
+
 REQUEST = orjson.dumps({"model": "canned", "max_tokens": 16, "temperature": 0,
                         "messages": [{"role": "user", "content": "Say hello"}]})
 LATENCY_REQUESTS = 2000
@@ -31,6 +32,8 @@ WARMUP = 200
 THROUGHPUT_S = 4.0
 CONCURRENCY = (16, 32)
 REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("fastapi", "starlette", "uvicorn", "uvloop", "httptools", "aiohttp", "redis",
+            "hiredis", "orjson", "pydantic")
 
 
 def _free_port() -> int:
@@ -105,41 +108,11 @@ async def _measure(url: str, server_pid: int) -> dict:
     return result
 
 
-def _versions() -> dict:
-    out = {"python": platform.python_version()}
-    for name in ("fastapi", "starlette", "uvicorn", "uvloop", "httptools", "aiohttp", "redis",
-                 "hiredis", "orjson", "pydantic", "torch", "triton"):
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = None
-    return out
-
-
 def _device(load_average: tuple[float, float, float]) -> dict:
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": model or platform.processor(), "cores": os.cpu_count(),
+    return {"cpu": cpu_model(), "cores": os.cpu_count(),
             "platform": platform.platform(),
             # Other work on the machine widens latency tails; CPU per request is robust to it.
             "load_average_at_start": load_average}
-
-
-def _commit() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                             text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "gateway"], cwd=REPO,
-                               capture_output=True, text=True).stdout.strip()
-        return sha + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _records(redis_url: str, prefix: str) -> int:
@@ -189,8 +162,8 @@ def main(args) -> int:
             proc.wait(10)
     stored = _records(redis_url, prefix)
     summary = _summary(results, gateway_2xx, stored)
-    report = {"benchmark": "gateway", "date": datetime.datetime.now(datetime.UTC).isoformat(),
-              "commit": _commit(), "device": _device(load_average), "versions": _versions(),
+    report = {"benchmark": "gateway", "date": utc_now(), "commit": git_commit(),
+              "device": _device(load_average), "versions": versions(*PACKAGES),
               "request": orjson.loads(REQUEST), "results": results, "summary": summary}
     _print(summary)
     data = orjson.dumps(report, option=orjson.OPT_INDENT_2)

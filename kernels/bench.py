@@ -9,13 +9,9 @@ them), rotating over enough weight copies that the weights never sit in L2 betwe
 
 from __future__ import annotations
 
-import datetime
 import json
 import math
-import os
-import platform
 import statistics
-import subprocess
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from importlib import import_module, util
@@ -23,6 +19,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from detgate.provenance import git_commit, utc_now, versions
 
 HIDDEN = 4096
 VOCAB = 151936
@@ -203,19 +201,11 @@ def summarize(rows: list[Row]) -> dict:
 
 def environment() -> dict:
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    triton = import_module("triton")
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                check=True, cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):  # a copy of the tree without .git
-        commit = os.environ.get("DETGATE_GIT_COMMIT")
     return {
         "device": props.name, "sms": props.multi_processor_count,
         "l2_bytes": props.L2_cache_size,
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "triton": triton.__version__, "cuda": torch.version.cuda},
-        "git_commit": commit,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "versions": {**versions("torch", "triton"), "cuda": torch.version.cuda},
+        "git_commit": git_commit(), "date": utc_now(),
     }
 
 

@@ -19,12 +19,12 @@ import json
 import platform
 import random
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
+from detgate.provenance import git_commit, utc_now, versions
 from worker.engine import Engine
 from worker.engine_config import EngineConfig
 from worker.sequence import SamplingParams
@@ -92,8 +92,9 @@ def main(args) -> int:
     ratio = summary["batch_invariant"]["median_wall_s"] / summary["default"]["median_wall_s"]
     ratio_cpu = summary["batch_invariant"]["median_cpu_s"] / summary["default"]["median_cpu_s"]
     report = {
-        "benchmark": "engine", "date": datetime.datetime.now(datetime.UTC).isoformat(),
-        "commit": _commit(), "device": _device(base), "versions": _versions(),
+        "benchmark": "engine", "date": utc_now(),
+        "commit": git_commit(), "device": _device(base),
+        "versions": versions("torch", "triton", "numpy"),
         "config": {k: v for k, v in dataclasses.asdict(base).items() if k != "mode"},
         "workload": {"requests": args.requests, "prompt_tokens": "16-128",
                      "max_tokens": args.max_tokens, "sampling": "greedy, logprobs=0, ignore_eos",
@@ -134,24 +135,3 @@ def _device(config: EngineConfig) -> dict:
             "torch_threads": torch.get_num_threads(), "machine": platform.machine()}
 
 
-def _versions() -> dict:
-    import numpy
-
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    return {"python": platform.python_version(), "torch": torch.__version__,
-            "triton": triton_version, "numpy": numpy.__version__}
-
-
-def _commit() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"

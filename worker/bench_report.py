@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import datetime
-import os
-import platform
 import statistics
-import subprocess
-from pathlib import Path
 
 import torch
+
+from detgate.provenance import git_commit, utc_now, versions
 
 MODES = ("default", "batch_invariant")
 # Cost reference on CUDA: default mode with our paged attention kernel instead of gathered K/V
@@ -19,14 +16,7 @@ REFERENCE = "default_paged_attention"
 
 
 def environment(device: str) -> dict:
-    env = {"python": platform.python_version(), "torch": torch.__version__,
-           "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-           "git_commit": _git_commit()}
-    try:
-        import triton
-        env["triton"] = triton.__version__
-    except ImportError:
-        env["triton"] = None
+    env = {**versions("torch", "triton"), "date": utc_now(), "git_commit": git_commit()}
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
         env.update(device=props.name, cuda=torch.version.cuda, sms=props.multi_processor_count,
@@ -35,14 +25,6 @@ def environment(device: str) -> dict:
         env.update(device=f"cpu ({torch.backends.cpu.get_cpu_capability()})",
                    threads=torch.get_num_threads())
     return env
-
-
-def _git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):  # a copy of the tree without .git
-        return os.environ.get("DETGATE_GIT_COMMIT")
 
 
 def summary_table(result: dict) -> str:

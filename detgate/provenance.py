@@ -1,0 +1,54 @@
+"""Where a benchmark result comes from: date, git commit, package versions, host.
+
+Every benchmark (gateway, engine, kernels) saves this beside its figures, so that a result
+file says what produced it. Imports nothing heavy: the gateway's benchmark uses it too.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def git_commit() -> str | None:
+    """HEAD of the checkout this code runs from, with "-dirty" when tracked files changed;
+    DETGATE_GIT_COMMIT when the tree was copied without .git (as onto a GPU machine)."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=REPO, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("DETGATE_GIT_COMMIT")
+    return sha + ("-dirty" if dirty.strip() else "")
+
+
+def versions(*packages: str) -> dict[str, str | None]:
+    """Python's version and each installed package's (None when it is not installed)."""
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for name in packages:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
