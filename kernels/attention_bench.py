@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import functools
 import statistics
-import time
 from collections.abc import Callable
 from importlib import import_module
 
 import torch
 import torch.nn.functional as F
+
+from kernels.cpu_bench import min_ms_pair
 
 QWEN3_8B = {"hq": 32, "hkv": 8, "d": 128}
 TINY = {"hq": 8, "hkv": 2, "d": 32}
@@ -54,19 +55,6 @@ def _cuda_ms(fn: Callable[[], object], reps: int = 5) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / calls)
     return statistics.median(times)
-
-
-def _host_ms_pair(ours: Callable[[], object], ref: Callable[[], object], reps: int = 15
-                  ) -> tuple[float, float]:
-    """Minimum milliseconds of each, over interleaved repetitions."""
-    ours(), ref()
-    t_ours, t_ref = [], []
-    for _ in range(reps):
-        for fn, times in ((ours, t_ours), (ref, t_ref)):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return min(t_ours) * 1e3, min(t_ref) * 1e3
 
 
 def _copy_tb_s() -> float:
@@ -184,7 +172,7 @@ def _cpu_rows() -> list[dict]:
                                  seq_lens=inp["seq_lens"], block_tables=inp["block_tables"],
                                  slot_mapping=torch.zeros(batch * q_len, dtype=torch.long),
                                  max_query_len=q_len, max_seq_len=seq_len)
-        ms, sdpa_ms = _host_ms_pair(
+        ms, sdpa_ms = min_ms_pair(
             lambda inp=inp: paged_attention(**inp),
             lambda inp=inp, meta=meta: _padded_sdpa(inp["q"], inp["k_cache"], inp["v_cache"],
                                                     meta, inp["scale"]))

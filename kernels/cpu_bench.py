@@ -23,8 +23,10 @@ M_VALUES = (1, 2, 4, 8, 16, 32, 256, 1024, 2048)
 EPS = 1e-6
 
 
-def _min_ms_pair(ours: Callable[[], object], ref: Callable[[], object], reps: int = 25
-                 ) -> tuple[float, float]:
+def min_ms_pair(ours: Callable[[], object], ref: Callable[[], object], reps: int = 25
+                ) -> tuple[float, float]:
+    """Minimum milliseconds of each, over interleaved repetitions (after one warm-up call):
+    interleaving exposes both to the same machine load."""
     ours(), ref()
     t_ours, t_ref = [], []
     for _ in range(reps):
@@ -61,7 +63,7 @@ def _rows(dtypes: tuple[torch.dtype, ...]) -> list[dict]:
                 w = torch.randn(n, k, generator=gen).to(dtype)
                 for m in M_VALUES:
                     a = torch.randn(m, k, generator=gen).to(dtype)
-                    ours, ref = _min_ms_pair(lambda a=a, w=w: kernels.matmul(a, w.t()),
+                    ours, ref = min_ms_pair(lambda a=a, w=w: kernels.matmul(a, w.t()),
                                              lambda a=a, w=w: torch.mm(a, w.t()))
                     rows.append(_row("matmul", f"{name} K={k} N={n}", m, dtype, ours, ref))
             w = torch.randn(hidden, generator=gen).to(dtype)
@@ -73,11 +75,11 @@ def _rows(dtypes: tuple[torch.dtype, ...]) -> list[dict]:
                     return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)
                                 ).to(x.dtype)
 
-                ours, ref = _min_ms_pair(lambda x=x, w=w: kernels.rms_norm(x, w, EPS), torch_rms)
+                ours, ref = min_ms_pair(lambda x=x, w=w: kernels.rms_norm(x, w, EPS), torch_rms)
                 rows.append(_row("rms_norm", f"H={hidden}", m, dtype, ours, ref))
         for m in (1, 32):
             logits = torch.randn(m, 151936, generator=gen).to(dtype)
-            ours, ref = _min_ms_pair(lambda x=logits: kernels.log_softmax(x),
+            ours, ref = min_ms_pair(lambda x=logits: kernels.log_softmax(x),
                                      lambda x=logits: torch.log_softmax(x.float(), -1))
             rows.append(_row("log_softmax", "V=151936", m, dtype, ours, ref))
     return rows

@@ -11,13 +11,13 @@ import dataclasses
 import hashlib
 import importlib.metadata
 import json
-import platform
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from detgate.provenance import cpu_model
 from worker.config import DTYPES, ModelConfig
 from worker.models import build_model
 from worker.models.decoder import CausalLM
@@ -148,17 +148,7 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     # CPU results depend on the instruction set the kernels dispatch to, not only on the model.
-    return f"{_cpu_model()} ({torch.backends.cpu.get_cpu_capability()})"
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return f"{cpu_model()} ({torch.backends.cpu.get_cpu_capability()})"
 
 
 def _files_sha256(files: list[Path]) -> str:
