@@ -12,6 +12,7 @@ import redis as sync_redis
 
 from gateway.errors import RecorderUnavailable
 from gateway.recorder import Recorder, now
+from tests.support.floats import bits
 
 
 @pytest.fixture
@@ -54,7 +55,7 @@ async def test_logprobs_round_trip_bit_for_bit(recorder):
     await recorder.save("t1", make_record("cmpl-a", floats))
     record, _ = await recorder.get("t1", "cmpl-a")
     got = record["choices"][0]["logprobs"]
-    assert [struct.pack("<d", x) for x in got] == [struct.pack("<d", x) for x in floats]
+    assert bits(got) == bits(floats)
 
 
 async def test_every_key_has_a_ttl_and_the_write_is_indexed(recorder, redis_url):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import subprocess
 import time
 
@@ -18,14 +17,12 @@ import httpx
 import pytest
 
 from tests.gateway.conftest import start_workers
+from tests.support.floats import bits
 from tests.support.procs import detgate_cmd, free_port
 
 IDS = [5, 6, 7, 8, 9, 10, 11, 12]
 MAX_SCORE_TOKENS = 64
 
-
-def bits(xs: list[float]) -> list[bytes]:
-    return [struct.pack("<d", x) for x in xs]
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ the operator's labels; token ids come from `return_token_ids`; errors carry an i
 from __future__ import annotations
 
 import re
-import struct
 import time
 
 import openai
@@ -18,14 +17,12 @@ from gateway.config import Settings
 from gateway.metrics import ENDPOINTS
 from gateway.router import derived_fingerprint
 from tests.gateway.vllm_worker import VllmFixtureWorker, fixture, sse_payloads
+from tests.support.floats import bits
 
 MODEL = "Qwen/Qwen3-8B"
 LABELS = "VLLM_BATCH_INVARIANT=1,attention=FLASH_ATTN,gpu=H200"
 MSG = [{"role": "user", "content": "hi"}]
 
-
-def bits(xs):
-    return [struct.pack("<d", x) for x in xs]
 
 
 def expected_fingerprint(labels: str = LABELS) -> str:

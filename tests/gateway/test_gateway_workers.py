@@ -7,7 +7,6 @@ negative control, which must see replays differ.
 
 from __future__ import annotations
 
-import struct
 import threading
 import time
 
@@ -16,13 +15,11 @@ import orjson
 import pytest
 
 from tests.gateway.conftest import start_workers
+from tests.support.floats import bits
 from tests.support.procs import Proc
 
 MSG = [{"role": "user", "content": "Tell me about Richard Feynman."}]
 
-
-def bits(xs):
-    return [struct.pack("<d", x) for x in xs]
 
 
 @pytest.fixture(scope="module")
