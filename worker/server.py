@@ -44,9 +44,9 @@ def create_app(config: EngineConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         from worker.loader import load
-        from worker.make_model import resolve_model
+        from worker.model_source import resolve_model
 
-        path = resolve_model(config.model)
+        path = await asyncio.to_thread(resolve_model, config.model)
         loaded = await asyncio.to_thread(load, path, dtype=config.dtype, device=config.device,
                                          mode=config.mode)
         engine = Engine(config, loaded.model, loaded.config)

