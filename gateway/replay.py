@@ -13,8 +13,9 @@ import time
 
 import orjson
 
+from detgate.contract.compare import compare_choices
+from detgate.contract.record import Record, RecordChoice
 from gateway import protocol, responses
-from gateway.compare import compare_choices
 from gateway.errors import Conflict, GatewayError, NotFound, UpstreamFailed
 from gateway.recorder import now
 from gateway.router import Worker
@@ -77,7 +78,9 @@ async def _run(svc: Services, record: dict, worker: Worker, load: int) -> dict:
         raise UpstreamFailed(f"replay failed: {sent}")
     answer = orjson.loads(sent.answer.body)
     is_chat = endpoint == protocol.CHAT
-    cmp = compare_choices(record["choices"], responses.record_choices(is_chat, answer))
+    choices = responses.record_choices(is_chat, answer)
+    cmp = compare_choices(Record.from_dict(record).choices,
+                          [RecordChoice.from_dict(c) for c in choices]).as_dict()
     return {
         "id": record["id"], "replay_id": "rpl-" + secrets.token_hex(12), **cmp,
         "original_fingerprint": record["system_fingerprint"],

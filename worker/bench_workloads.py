@@ -12,6 +12,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from detgate.contract.compare import bits, compare_sequences, logprob_bits
 from worker.engine import Engine
 from worker.sequence import SamplingParams
 
@@ -119,20 +120,21 @@ def run(engine: Engine, reqs: list[Request], arrival_seed: int | None
 def determinism_measures(completions: list[Completion]) -> dict:
     """Unique completions (token ids; and ids + logprob bits), the most common completion's
     count, each completion's first divergence from it, and logprobs compared with the most
-    common exact variant of it (bit for bit, and the largest difference before divergence)."""
+    common exact variant of it (bit for bit, and the largest difference before divergence),
+    all by the contract's comparison."""
     ids = collections.Counter(tuple(c.token_ids) for c in completions)
-    exact = collections.Counter((tuple(c.token_ids), tuple(c.logprobs)) for c in completions)
+    exact = collections.Counter((tuple(c.token_ids), logprob_bits(c.logprobs))
+                                for c in completions)
     top_ids, top_count = ids.most_common(1)[0]
-    (_, top_lps), top_exact = next((key, n) for key, n in exact.most_common()
-                                   if key[0] == top_ids)
+    top_key, top_exact = next((key, n) for key, n in exact.most_common() if key[0] == top_ids)
+    top = next(c for c in completions
+               if (tuple(c.token_ids), logprob_bits(c.logprobs)) == top_key)
     divergences, max_diff = [], 0.0
     for c in completions:
-        first = first_divergence(c.token_ids, list(top_ids))
-        if first is not None:
-            divergences.append(first)
-        n = len(c.logprobs) if first is None else first
-        diffs = [abs(a - b) for a, b in zip(c.logprobs[:n], top_lps[:n], strict=True)]
-        max_diff = max([max_diff, *diffs])
+        pair = compare_sequences(c.token_ids, c.logprobs, top.token_ids, top.logprobs)
+        if pair.first_divergence is not None:
+            divergences.append(pair.first_divergence)
+        max_diff = max([max_diff, *(abs(d) for d in pair.diffs)])
     sizes = sorted({b for c in completions for b in c.batch_sizes})
     return {
         "n": len(completions),
@@ -145,15 +147,6 @@ def determinism_measures(completions: list[Completion]) -> dict:
         "tokens_per_completion": len(top_ids),
         "batch_sizes_seen": {"distinct": len(sizes), "min": sizes[0], "max": sizes[-1]},
     }
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    """Index of the first differing token (a length difference counts at the shorter length);
-    None when identical."""
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def score_requests(completions: dict[str, Completion], reqs: list[Request],
@@ -178,7 +171,7 @@ def compare_scores(sampled: list[Completion], scored: list[Completion],
     for s, sc, p in zip(sampled, scored, prompt_lens, strict=True):
         trainer = sc.prompt_logprobs[p - 1:]
         positions += len(s.logprobs)
-        equal += sum(a == b for a, b in zip(s.logprobs, trainer, strict=True))
+        equal += sum(bits(a) == bits(b) for a, b in zip(s.logprobs, trainer, strict=True))
         max_diff = max([max_diff, *(abs(a - b) for a, b in zip(s.logprobs, trainer,
                                                                 strict=True))])
     return {"sequences": len(sampled), "positions": positions, "bitwise_equal": equal,

@@ -2,10 +2,9 @@
 
 Every sample is compared with a reference: the first sample whose completion is the most
 common one. Completions are compared by token ids when every sample has them, else by token
-strings, else by characters of the text (the `unit`). First divergence follows the contract:
-the 0-based index of the first differing element, a length difference counting at the
-shorter length, None when the sequences are identical. Logprob differences are taken over
-the positions before the first divergence only, where both sides scored the same token.
+strings, else by characters of the text (the `unit`). First divergence, bitwise equality and
+the logprob differences (before the first divergence only, where both sides scored the same
+token) are the contract's (detgate/contract/compare.py), as in `/replay`.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from detgate.audit.sample import Sample
+from detgate.contract.compare import compare_sequences, logprob_bits
 
 # How many tokens (or characters) of context and continuation a divergence shows.
 CONTEXT_TOKENS = 6
@@ -29,7 +29,7 @@ class Comparison:
 
     index: int
     first_divergence: int | None
-    # |logprob - reference logprob| at each position before the first divergence.
+    # |logprob - reference logprob| at each position before the first divergence (finite ones).
     abs_deltas: tuple[float, ...]
     logprob_mse: float | None
     max_abs_logprob_diff: float | None
@@ -86,15 +86,6 @@ class Analysis:
         return 1 + sum(c.exact for c in self.comparisons)
 
 
-def first_divergence(a: Sequence, b: Sequence) -> int | None:
-    """Index of the first differing element; a length difference counts at the shorter length."""
-    shorter = min(len(a), len(b))
-    for i in range(shorter):
-        if a[i] != b[i]:
-            return i
-    return None if len(a) == len(b) else shorter
-
-
 def comparison_unit(samples: Sequence[Sample]) -> str:
     if all(s.token_ids is not None for s in samples):
         return "token_id"
@@ -112,25 +103,13 @@ def sequence_of(sample: Sample, unit: str) -> tuple:
 
 
 def compare(sample: Sample, reference: Sample, unit: str) -> Comparison:
-    a, b = sequence_of(sample, unit), sequence_of(reference, unit)
-    divergence = first_divergence(a, b)
-    deltas = _abs_deltas(sample, reference, unit, divergence, min(len(a), len(b)))
+    pair = compare_sequences(sequence_of(sample, unit), sample.logprobs,
+                             sequence_of(reference, unit), reference.logprobs)
+    # Character positions do not index logprobs.
+    deltas = () if unit == "char" else tuple(abs(d) for d in pair.diffs)
     mse = sum(d * d for d in deltas) / len(deltas) if deltas else None
-    exact = (divergence is None and sample.logprobs is not None
-             and tuple(sample.logprobs) == tuple(reference.logprobs or ()))
-    return Comparison(sample.index, divergence, deltas, mse, max(deltas) if deltas else None, exact)
-
-
-def _abs_deltas(sample: Sample, reference: Sample, unit: str, divergence: int | None,
-                shorter: int) -> tuple[float, ...]:
-    # Character positions do not index logprobs, and without logprobs there is nothing to compare.
-    if unit == "char" or sample.logprobs is None or reference.logprobs is None:
-        return ()
-    end = min(shorter if divergence is None else divergence, len(sample.logprobs),
-              len(reference.logprobs))
-    return tuple(abs(x - y) for x, y in zip(sample.logprobs[:end], reference.logprobs[:end],
-                                           strict=True)
-                 if x is not None and y is not None)
+    return Comparison(sample.index, pair.first_divergence, deltas, mse,
+                      max(deltas) if deltas else None, pair.match)
 
 
 def analyse(samples: Sequence[Sample]) -> Analysis:
@@ -144,7 +123,8 @@ def analyse(samples: Sequence[Sample]) -> Analysis:
     comparisons = tuple(compare(s, reference, unit) for s in samples if s is not reference)
     return Analysis(
         n=len(samples), unit=unit, unique_completions=len(counts), most_common_count=most_common,
-        distinct_outputs=len({(sequence_of(s, unit), s.logprobs) for s in samples}),
+        distinct_outputs=len({(sequence_of(s, unit), logprob_bits(s.logprobs))
+                             for s in samples}),
         reference_index=reference.index, comparisons=comparisons,
         variants=_variants(samples, reference, unit, comparisons),
         reference_has_logprobs=reference.logprobs is not None,

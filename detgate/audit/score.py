@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from detgate.audit.client import AuditRequestError, EndpointClient
 from detgate.audit.sample import Sample
+from detgate.contract.compare import same_bits
 
 # Answers meaning "this endpoint has no score route".
 NO_ROUTE_STATUSES = frozenset({404, 405})
@@ -64,7 +65,7 @@ def compare_to_teacher(index: int, sampled: Sequence[float | None],
         index=index, tokens=len(pairs),
         max_abs_logprob_diff=max((abs(d) for d in diffs), default=0.0),
         sum_logprob_diff=sum(diffs),
-        exact=all(s == t for s, t in pairs),
+        exact=same_bits([s for s, _ in pairs], [t for _, t in pairs]),
     )
 
 

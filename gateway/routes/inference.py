@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from detgate.contract.record import Record, RecordChoice
 from gateway import protocol, responses
 from gateway.errors import GatewayError, UpstreamFailed, UpstreamRejected, UpstreamTimeout
 from gateway.forward import Opened
@@ -54,10 +55,12 @@ async def _handle(request: Request, endpoint: str) -> Response:
 
 
 def _record(parsed: ParsedRequest, record_id: str, worker: str | None, fingerprint: str | None,
-            status: str, **rest) -> dict:
-    return {"id": record_id, "created": now(), "endpoint": parsed.endpoint,
-            "model": parsed.model, "request": parsed.body, "worker": worker,
-            "system_fingerprint": fingerprint, "status": status, **rest}
+            status: str, choices: list[dict], usage: dict | None, **extras) -> dict:
+    """The stored record; `extras`: `error` and the worker's prompt token ids and logprobs."""
+    return Record(id=record_id, created=now(), endpoint=parsed.endpoint, model=parsed.model,
+                  request=parsed.body, worker=worker, system_fingerprint=fingerprint,
+                  status=status, choices=[RecordChoice.from_dict(c) for c in choices],
+                  usage=usage, **extras).as_dict()
 
 
 async def _whole(svc: Services, request: Request, tenant: str, parsed: ParsedRequest,

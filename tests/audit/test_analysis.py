@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from detgate.audit.analysis import analyse, compare, comparison_unit, first_divergence
+from detgate.audit.analysis import analyse, compare, comparison_unit
 from detgate.audit.sample import Sample
 
 
@@ -19,21 +19,6 @@ def sample(index: int, ids: list[int] | None = None, logprobs: list[float] | Non
     return Sample(index=index, text=text, token_ids=tuple(ids) if ids is not None else None,
                   tokens=tuple(tokens) if tokens is not None else None,
                   logprobs=tuple(logprobs) if logprobs is not None else None)
-
-
-@pytest.mark.parametrize(("a", "b", "expected"), [
-    ([1, 2, 3], [1, 2, 3], None),
-    ([], [], None),
-    ([1, 2, 3], [1, 9, 3], 1),
-    ([7], [8], 0),
-    ([1, 2, 3], [1, 2], 2),          # a length difference counts at the shorter length
-    ([1, 2], [1, 2, 3, 4], 2),
-    ([], [5], 0),
-    ([1, 2, 3], [1, 2, 4, 5, 6], 2),  # a differing token before the length difference wins
-])
-def test_first_divergence_follows_the_contract(a, b, expected):
-    assert first_divergence(a, b) == expected
-    assert first_divergence(b, a) == expected
 
 
 def test_identical_samples_give_one_completion_and_zero_differences():

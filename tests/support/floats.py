@@ -1,10 +1,11 @@
-"""Exact float comparison for tests: two logprob lists are equal only if every bit is."""
+"""Exact float comparison for tests: the contract's own (detgate/contract/compare.py), so that
+a test's "bitwise equal" is the product's."""
 
 from __future__ import annotations
 
-import struct
+from detgate.contract.compare import logprob_bits
 
 
-def bits(xs: list[float]) -> list[bytes]:
+def bits(xs: list[float]) -> tuple[bytes | None, ...]:
     """Each float's IEEE 754 double bytes (so -0.0 != 0.0 and NaN payloads count)."""
-    return [struct.pack("<d", x) for x in xs]
+    return logprob_bits(xs)

@@ -2,18 +2,7 @@
 
 from __future__ import annotations
 
-from worker.bench_workloads import (
-    Completion,
-    compare_scores,
-    determinism_measures,
-    first_divergence,
-)
-
-
-def test_first_divergence():
-    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
-    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
-    assert first_divergence([1, 2], [1, 2, 3]) == 2  # a length difference counts at the shorter
+from worker.bench_workloads import Completion, compare_scores, determinism_measures
 
 
 def test_determinism_measures_count_ids_and_logprob_bits():
