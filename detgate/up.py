@@ -25,7 +25,9 @@ def register(sub) -> None:
     p.add_argument("--workers", type=int, default=2, help="built-in CPU workers to start")
     p.add_argument("--mode", choices=["batch_invariant", "default"], default="batch_invariant")
     p.add_argument("--port", type=int, default=8000, help="the gateway's port")
-    p.add_argument("--model", default="tiny", help="model of the workers ('tiny' or a folder)")
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="model of the workers: smollm2-135m-instruct (default), tiny (random "
+                        "weights), a Hugging Face folder or a .gguf file")
     p.set_defaults(func=main)
 
 
@@ -128,10 +130,10 @@ def main(args) -> int:
     try:
         redis_url = start_redis(stack, root / "redis")
         model = args.model
-        if model == "tiny":  # made once here, so that N workers don't race to write it
-            model = str(root / "models" / "tiny")
-            if not (Path(model) / "config.json").exists():
-                subprocess.run([*cli, "make-model", "--preset", "tiny", "--out", model], check=True)
+        # Prepared once here (a GGUF dequantised, a preset written), so that N workers neither
+        # race nor repeat it; they find it ready under the state dir.
+        if subprocess.run([*cli, "prepare-model", model], stdout=subprocess.DEVNULL).returncode:
+            raise RuntimeError(f"model {model!r} is not available (see above)")
         workers = []
         for i in range(args.workers):
             port = free_port()
@@ -146,7 +148,7 @@ def main(args) -> int:
             "DETGATE_REDIS_URL": redis_url, "DETGATE_WORKERS": ",".join(workers),
         })
         stack.wait_http("gateway", gateway + "/readyz")
-        print(banner(gateway, workers, redis_url, logs, args.mode), flush=True)
+        print(banner(gateway, workers, redis_url, logs, args.mode, Path(model).name), flush=True)
         while (dead := stack.first_dead()) is None:
             time.sleep(0.5)
         print(f"detgate up: {dead} exited; stopping (logs in {logs})", file=sys.stderr)
@@ -161,18 +163,20 @@ def main(args) -> int:
         stack.stop()
 
 
-def banner(gateway: str, workers: list[str], redis_url: str, logs: Path, mode: str) -> str:
+def banner(gateway: str, workers: list[str], redis_url: str, logs: Path, mode: str,
+           model: str) -> str:
     lines = [
         "detgate is up",
         f"  gateway   {gateway}/v1   (metrics {gateway}/metrics)",
-        *(f"  worker    {url}   mode={mode}" for url in workers),
+        *(f"  worker    {url}   model={model} mode={mode}" for url in workers),
         f"  redis     {redis_url}",
         f"  logs      {logs}",
         "",
         "try:",
         f"  curl -s {gateway}/v1/chat/completions -H 'Content-Type: application/json' \\",
-        "    -d '{\"model\": \"tiny\", \"max_tokens\": 16,",
-        "         \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}]}'",
+        f"    -d '{{\"model\": \"{model}\", \"max_tokens\": 32, \"temperature\": 0,",
+        "         \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital "
+        "of France?\"}]}'",
         f"  curl -s -X POST {gateway}/replay/<id> -d '{{\"load\": 16}}'",
         "",
         "Ctrl-C stops everything.",

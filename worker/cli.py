@@ -1,4 +1,5 @@
-"""`detgate worker`, `detgate make-model`, `detgate bench engine` (argument parsing only)."""
+"""`detgate worker`, `detgate prepare-model`, `detgate make-model`, `detgate bench engine`
+(argument parsing only)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,12 @@ def register(sub) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9001)
     p.set_defaults(func=lambda args: __import__("worker.server", fromlist=["main"]).main(args))
+
+    p = sub.add_parser("prepare-model", help="make --model's checkpoint folder ready (a GGUF is "
+                                             "dequantised once) and print where it is")
+    p.add_argument("model", help="smollm2-135m-instruct, tiny, a folder or a .gguf file")
+    p.set_defaults(func=lambda args: __import__("worker.model_source",
+                                                fromlist=["main"]).main(args))
 
     p = sub.add_parser("make-model", help="write a small checkpoint folder")
     p.add_argument("--preset", default="tiny")

@@ -15,6 +15,7 @@ import hashlib
 import importlib.metadata
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,3 +110,13 @@ def prepared_folder(gguf_path: Path, label: str, announce: bool = True) -> Path:
 def _sha256(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def main(args) -> int:
+    """`detgate prepare-model MODEL`: the folder on stdout, or why there is none on stderr."""
+    try:
+        print(resolve_model(args.model))
+    except (ModelUnavailable, ValueError) as exc:
+        print(f"detgate: {exc}", file=sys.stderr)
+        return 2
+    return 0
