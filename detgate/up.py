@@ -19,11 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
+from detgate.contract.constants import DEFAULT_MODE, MODES
+
 
 def register(sub) -> None:
     p = sub.add_parser("up", help="run the whole stack on this machine")
     p.add_argument("--workers", type=int, default=2, help="built-in CPU workers to start")
-    p.add_argument("--mode", choices=["batch_invariant", "default"], default="batch_invariant")
+    p.add_argument("--mode", choices=MODES, default=DEFAULT_MODE)
     p.add_argument("--port", type=int, default=8000, help="the gateway's port")
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="model of the workers: smollm2-135m-instruct (default), tiny (random "

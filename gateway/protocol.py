@@ -17,13 +17,13 @@ from typing import Any
 
 import orjson
 
+from detgate.contract.constants import MAX_LOGPROBS, ROLES, prompt_logprobs_conflict
 from gateway.config import Settings
 from gateway.errors import BadRequest
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 SCORE = "/v1/score"
-MAX_LOGPROBS = 20
 INT64 = 2 ** 63
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "stream",
@@ -33,7 +33,6 @@ ALLOWED = {
     CHAT: _COMMON | {"messages", "top_logprobs", "max_completion_tokens"},
     COMPLETIONS: _COMMON | {"prompt"},
 }
-_ROLES = {"system", "user", "assistant", "developer", "tool"}
 _SCORE_FIELDS = {"model", "token_ids", "start", "system_fingerprint"}
 
 
@@ -98,8 +97,8 @@ def _messages(body: dict) -> None:
     if not isinstance(msgs, list) or not msgs:
         raise BadRequest("'messages' must be a non-empty list", param="messages")
     for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or m.get("role") not in _ROLES:
-            raise BadRequest(f"messages[{i}] needs a 'role' among {sorted(_ROLES)}",
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise BadRequest(f"messages[{i}] needs a 'role' among {sorted(ROLES)}",
                              param=f"messages[{i}]")
         content = m.get("content")
         if not isinstance(content, str | list):
@@ -179,9 +178,8 @@ def parse(endpoint: str, raw: bytes, settings: Settings) -> ParsedRequest:
     stream = bool(_bool(body, "stream"))
     token_ids = bool(_bool(body, "return_token_ids"))
     include_usage = _stream_options(body, stream)
-    if stream and body.get("prompt_logprobs") is not None:
-        raise BadRequest("'prompt_logprobs' is not available when streaming",
-                         param="prompt_logprobs")
+    if (conflict := prompt_logprobs_conflict(stream, body.get("prompt_logprobs"))) is not None:
+        raise BadRequest(conflict, param="prompt_logprobs")
 
     out = dict(body)
     if endpoint == CHAT:

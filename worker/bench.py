@@ -24,12 +24,11 @@ from pathlib import Path
 
 import torch
 
+from detgate.contract.constants import MODES
 from detgate.provenance import git_commit, utc_now, versions
 from worker.engine import Engine
 from worker.engine_config import EngineConfig
 from worker.sequence import SamplingParams
-
-MODES = ("default", "batch_invariant")
 
 
 def workload(num_requests: int, max_tokens: int, vocab: int, seed: int = 0):

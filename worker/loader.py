@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from detgate.provenance import cpu_model
-from worker.config import DTYPES, ModelConfig
+from worker.config import TORCH_DTYPES, ModelConfig
 from worker.models import build_model
 from worker.models.decoder import CausalLM
 from worker.models.layers.linear import Linear
@@ -52,7 +52,7 @@ def load(
     path: str | Path, *, dtype: str | torch.dtype, device: str | torch.device, mode: str
 ) -> LoadedModel:
     path = Path(path)
-    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    dtype = TORCH_DTYPES[dtype] if isinstance(dtype, str) else dtype
     device = torch.device(device)
     config = ModelConfig.from_file(path / "config.json", dtype)
     tokenizer = Tokenizer.from_folder(path, extra_eos_ids=config.eos_token_ids)

@@ -12,12 +12,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from detgate.contract.constants import MODES
 from worker.attention_metadata import AttentionMetadata
 
 # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
 KVCache = tuple[torch.Tensor, torch.Tensor]
-
-MODES = ("default", "batch_invariant")
 
 
 class DefaultOps:

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-MAX_LOGPROBS = 20
+from detgate.contract.constants import MAX_LOGPROBS, ROLES
 
 
 class StreamOptions(BaseModel):
@@ -74,7 +74,7 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal[ROLES]  # type: ignore[valid-type]
     content: str | list[TextPart] | None = None
 
     def as_template_input(self) -> dict[str, Any]:

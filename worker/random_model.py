@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from worker.config import DTYPES, ModelConfig
+from worker.config import TORCH_DTYPES, ModelConfig
 from worker.loader import LoadedModel, fingerprint_parts, packed_name
 from worker.make_model import PRESETS, Preset, checkpoint_tensors, hf_config, write_tokenizer
 from worker.models import build_model
@@ -38,7 +38,7 @@ def load_random(preset: str | Preset, folder: Path, *, seed: int, device: str | 
     preset = PRESETS[preset] if isinstance(preset, str) else preset
     folder = Path(folder)
     device = torch.device(device)
-    dtype = DTYPES[dtype or preset.dtype]
+    dtype = TORCH_DTYPES[dtype or preset.dtype]
     if not (folder / "config.json").exists():
         folder.mkdir(parents=True, exist_ok=True)
         vocab_size, eos_ids = write_tokenizer(folder, preset)

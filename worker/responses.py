@@ -10,6 +10,7 @@ from typing import Any
 
 import orjson
 
+from detgate.contract.constants import prompt_logprobs_conflict
 from worker.errors import InvalidRequest, WorkerError
 from worker.protocol import (
     ChatChoice,
@@ -57,9 +58,8 @@ class Prepared:
 def prepare(ctx: ServingContext, req: Request) -> Prepared:
     ctx.check_model(req.model)
     check_n(ctx, req.n)
-    if req.stream and req.prompt_logprobs is not None:
-        raise InvalidRequest("prompt_logprobs are not available when streaming",
-                             param="prompt_logprobs")
+    if (conflict := prompt_logprobs_conflict(req.stream, req.prompt_logprobs)) is not None:
+        raise InvalidRequest(conflict, param="prompt_logprobs")
     ids = prompt_ids(ctx, req)
     if isinstance(req, ChatCompletionRequest):
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
