@@ -16,7 +16,7 @@ from gateway.forward import Forwarder
 from gateway.metrics import Metrics, endpoint_label
 from gateway.recorder import Recorder
 from gateway.router import Router
-from gateway.routes import inference, ops, records, score
+from gateway.routes import inference, ops, records, score, ui
 from gateway.services import Services
 from gateway.upstream import Upstream
 
@@ -89,5 +89,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.router.routes.extend(score.routes)
     app.include_router(records.router)
     app.include_router(ops.router)
+    app.router.routes.extend(ui.routes())
     app.add_middleware(ObserveRequests, metrics=metrics)
     return app

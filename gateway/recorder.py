@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import orjson
 import redis.asyncio as aioredis
@@ -32,7 +34,18 @@ def loads(data: bytes) -> dict:
     return orjson.loads(data)
 
 
+@dataclass
+class Page:
+    """One page of a listing; `last_id` is the cursor for the next (`after`)."""
+
+    data: list[dict]
+    last_id: str | None
+    has_more: bool
+
+
 class Recorder:
+    max_scan = 2000  # records one filtered listing page may examine
+
     def __init__(self, url: str, *, prefix: str, ttl_s: int, timeout_s: float,
                  retry_after_s: int, max_connections: int = 64) -> None:
         # A blocking pool: under a burst, requests wait for a connection instead of failing
@@ -104,30 +117,65 @@ class Recorder:
         record["replays"] = [loads(r) for r in replays]
         return record, pttl
 
-    async def list(self, tenant: str, limit: int) -> list[dict]:
+    async def list(self, tenant: str, limit: int, *, after: str | None = None,
+                   keep: Callable[[dict], bool] | None = None) -> Page | None:
+        """Up to `limit` records newest first, from just past record `after` (None: the
+        newest), keeping only those `keep` accepts; None if `after` is not in the index.
+
+        A filtered page examines at most `max_scan` records; its `last_id` is the last one
+        examined, so the next page goes on from there even when this one came back short."""
         idx = self.keys.index(tenant)
         try:
             # Index entries older than the TTL point at expired records: drop them here, on
             # the rare listing path, rather than on every write.
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.zremrangebyscore(idx, "-inf", f"({time.time() - self.ttl_s}")
-                pipe.zrevrange(idx, 0, limit - 1)
-                _, ids = await pipe.execute()
-            if not ids:
-                return []
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for rid in ids:
-                    pipe.get(self.keys.record(tenant, rid.decode()))
-                    pipe.lrange(self.keys.replays(tenant, rid.decode()), 0, -1)
-                results = await pipe.execute()
+                pipe.zcard(idx)
+                if after is not None:
+                    pipe.zrevrank(idx, after)
+                _, total, *rank = await pipe.execute()
+            if after is not None and rank[0] is None:
+                return None
+            pos = rank[0] + 1 if after is not None else 0
+            page = Page([], after, False)
+            seen: set[bytes] = set()
+            scanned = 0
+            while len(page.data) < limit and scanned < self.max_scan and pos < total:
+                want = limit - len(page.data) if keep is None else max(limit, 64)
+                ids = await self.redis.zrevrange(idx, pos, pos + want - 1)
+                if not ids:
+                    break
+                loaded = await self._load(tenant, ids)
+                for rid, record in zip(ids, loaded, strict=True):
+                    pos += 1
+                    if rid in seen:  # a record written meanwhile shifted the ranks by one
+                        continue
+                    seen.add(rid)
+                    scanned += 1
+                    page.last_id = rid.decode()
+                    if record is not None and (keep is None or keep(record)):
+                        page.data.append(record)
+                    if len(page.data) == limit or scanned == self.max_scan:
+                        break
+            page.has_more = pos < total
         except (RedisError, OSError) as exc:
             raise self._unavailable(exc) from exc
-        records = []
+        return page
+
+    async def _load(self, tenant: str, ids: list[bytes]) -> list[dict | None]:
+        """Records with their replays, in the order of `ids`; None for an expired one."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for rid in ids:
+                pipe.get(self.keys.record(tenant, rid.decode()))
+                pipe.lrange(self.keys.replays(tenant, rid.decode()), 0, -1)
+            results = await pipe.execute()
+        records: list[dict | None] = []
         for raw, replays in zip(results[::2], results[1::2], strict=True):
+            record = None
             if raw is not None:
                 record = loads(raw)
                 record["replays"] = [loads(r) for r in replays]
-                records.append(record)
+            records.append(record)
         return records
 
     async def add_replay(self, tenant: str, record_id: str, comparison: dict,

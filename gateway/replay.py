@@ -81,9 +81,10 @@ async def _run(svc: Services, record: dict, worker: Worker, load: int) -> dict:
     choices = responses.record_choices(is_chat, answer)
     cmp = compare_choices(Record.from_dict(record).choices,
                           [RecordChoice.from_dict(c) for c in choices]).as_dict()
+    # The replay's own tokens are kept with its comparison, so both sides can be shown aligned.
     return {
         "id": record["id"], "replay_id": "rpl-" + secrets.token_hex(12), **cmp,
         "original_fingerprint": record["system_fingerprint"],
         "replay_fingerprint": answer.get("system_fingerprint") or worker.fingerprint,
-        "worker": worker.url, "load": load, "created": now(),
+        "worker": worker.url, "load": load, "created": now(), "replay_choices": choices,
     }

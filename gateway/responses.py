@@ -50,21 +50,48 @@ def choice_token_ids(is_chat: bool, choice: dict) -> list[int] | None:
     return _token_ids_from_strings([{"token": t} for t in tokens])
 
 
+def choice_tokens(is_chat: bool, choice: dict) -> list[str | None]:
+    """Each generated token's text, as the worker spelled it (for showing the answer token by
+    token; the comparison uses ids and logprobs only)."""
+    if is_chat:
+        return [e.get("token") for e in _chat_logprob_entries(choice)]
+    return list(((choice.get("logprobs") or {}).get("tokens")) or [])
+
+
+def choice_top_logprobs(is_chat: bool, choice: dict) -> list[list[dict]]:
+    """The alternatives per position as `[{"token", "logprob"}, ...]` (empty where none)."""
+    if is_chat:
+        return [[{"token": t.get("token"), "logprob": t.get("logprob")}
+                 for t in e.get("top_logprobs") or []]
+                for e in _chat_logprob_entries(choice)]
+    tops = ((choice.get("logprobs") or {}).get("top_logprobs")) or []
+    return [[{"token": k, "logprob": v} for k, v in (d or {}).items()] for d in tops]
+
+
 def choice_text(is_chat: bool, choice: dict) -> str:
     if is_chat:
         return ((choice.get("message") or choice.get("delta") or {}).get("content")) or ""
     return choice.get("text") or ""
 
 
+def _with_display(choice: dict, tokens: list[str | None], tops: list[list[dict]]) -> dict:
+    """Token texts and, where the worker sent any, top logprobs: for people reading a record."""
+    choice["tokens"] = tokens
+    if any(tops):
+        choice["top_logprobs"] = tops
+    return choice
+
+
 def record_choices(is_chat: bool, answer: dict) -> list[dict]:
     """The record's per-choice view of a complete (non-streamed) answer."""
-    return [{
+    return [_with_display({
         "index": c.get("index", i),
         "text": choice_text(is_chat, c),
         "finish_reason": c.get("finish_reason"),
         "token_ids": choice_token_ids(is_chat, c),
         "logprobs": choice_logprobs(is_chat, c),
-    } for i, c in enumerate(answer.get("choices") or [])]
+    }, choice_tokens(is_chat, c), choice_top_logprobs(is_chat, c))
+        for i, c in enumerate(answer.get("choices") or [])]
 
 
 def prompt_extras(answer: dict) -> dict[str, Any]:
@@ -125,6 +152,8 @@ class StreamAccumulator:
     def __init__(self, is_chat: bool) -> None:
         self.is_chat = is_chat
         self.choices: dict[int, dict] = {}
+        self.tokens: dict[int, list[str | None]] = {}
+        self.tops: dict[int, list[list[dict]]] = {}
         self.usage: dict | None = None
         self.fingerprint: str | None = None
         self.extras: dict[str, Any] = {}
@@ -149,11 +178,14 @@ class StreamAccumulator:
             elif acc["token_ids"] is not None:
                 acc["token_ids"].extend(ids)
             acc["logprobs"].extend(choice_logprobs(self.is_chat, c))
+            self.tokens.setdefault(idx, []).extend(choice_tokens(self.is_chat, c))
+            self.tops.setdefault(idx, []).extend(choice_top_logprobs(self.is_chat, c))
             if c.get("finish_reason") is not None:
                 acc["finish_reason"] = c["finish_reason"]
 
     def record_choices(self) -> list[dict]:
-        return [self.choices[i] for i in sorted(self.choices)]
+        return [_with_display(dict(self.choices[i]), self.tokens[i], self.tops[i])
+                for i in sorted(self.choices)]
 
 
 def worker_error(status: int, raw: bytes) -> UpstreamRejected:

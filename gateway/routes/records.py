@@ -6,6 +6,7 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from detgate.contract.constants import STATUSES
 from gateway.errors import BadRequest, NotFound
 from gateway.replay import replay
 from gateway.services import read_body, services
@@ -27,14 +28,45 @@ async def get_record(record_id: str, request: Request) -> Response:
     return _json(found[0])
 
 
+_REPLAY_RESULTS = ("match", "diverged", "none")
+
+
+def _last_replay_result(record: dict) -> str:
+    replays = record["replays"]
+    if not replays:
+        return "none"
+    return "match" if replays[-1]["match"] else "diverged"
+
+
 @router.get("/v1/requests")
 async def list_records(request: Request) -> Response:
+    """Newest first, OpenAI-style paging: `after=<last_id>` gives the next page; filters
+    `status` (complete, aborted, failed) and `replay` (the last replay's result: match,
+    diverged, none)."""
     svc = services(request)
     tenant = svc.auth.tenant(request.headers.get("authorization"))
-    raw = request.query_params.get("limit", "20")
+    query = request.query_params
+    raw = query.get("limit", "20")
     if not raw.isdigit() or not 1 <= int(raw) <= 1000:
         raise BadRequest("'limit' must be an integer from 1 to 1000", param="limit")
-    return _json({"object": "list", "data": await svc.recorder.list(tenant, int(raw))})
+    status, result = query.get("status"), query.get("replay")
+    if status is not None and status not in STATUSES:
+        raise BadRequest(f"'status' must be one of {', '.join(STATUSES)}", param="status")
+    if result is not None and result not in _REPLAY_RESULTS:
+        raise BadRequest(f"'replay' must be one of {', '.join(_REPLAY_RESULTS)}",
+                         param="replay")
+    keep = None
+    if status is not None or result is not None:
+        def keep(record: dict) -> bool:
+            return ((status is None or record["status"] == status)
+                    and (result is None or _last_replay_result(record) == result))
+    after = query.get("after") or None
+    page = await svc.recorder.list(tenant, int(raw), after=after, keep=keep)
+    if page is None:
+        raise BadRequest(f"'after' names no record of yours: '{after}'", param="after")
+    return _json({"object": "list", "data": page.data,
+                  "first_id": page.data[0]["id"] if page.data else None,
+                  "last_id": page.last_id, "has_more": page.has_more})
 
 
 @router.post("/replay/{record_id}")

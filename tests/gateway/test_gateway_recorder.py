@@ -76,21 +76,42 @@ async def test_every_key_has_a_ttl_and_the_write_is_indexed(recorder, redis_url)
 async def test_tenants_do_not_see_each_other(recorder):
     await recorder.save("alice", make_record("cmpl-a", [-1.0]))
     assert await recorder.get("bob", "cmpl-a") is None
-    assert await recorder.list("bob", 10) == []
-    assert [r["id"] for r in await recorder.list("alice", 10)] == ["cmpl-a"]
+    assert (await recorder.list("bob", 10)).data == []
+    assert [r["id"] for r in (await recorder.list("alice", 10)).data] == ["cmpl-a"]
 
 
 async def test_list_is_newest_first_and_limited(recorder):
     for i in range(5):
         await recorder.save("t1", make_record(f"cmpl-{i}", [-1.0], created=now() - 10 + i))
-    ids = [r["id"] for r in await recorder.list("t1", 3)]
+    ids = [r["id"] for r in (await recorder.list("t1", 3)).data]
     assert ids == ["cmpl-4", "cmpl-3", "cmpl-2"]
+
+
+async def test_list_pages_with_after_and_filters_past_a_short_page(recorder):
+    for i in range(7):
+        await recorder.save("t1", make_record(f"cmpl-{i}", [-1.0], created=now() - 10 + i))
+    first = await recorder.list("t1", 3)
+    assert [r["id"] for r in first.data] == ["cmpl-6", "cmpl-5", "cmpl-4"] and first.has_more
+    second = await recorder.list("t1", 3, after=first.last_id)
+    assert [r["id"] for r in second.data] == ["cmpl-3", "cmpl-2", "cmpl-1"] and second.has_more
+    last = await recorder.list("t1", 3, after=second.last_id)
+    assert [r["id"] for r in last.data] == ["cmpl-0"] and not last.has_more
+    assert await recorder.list("t1", 3, after="cmpl-unknown") is None
+    odd = lambda r: int(r["id"].rsplit("-", 1)[1]) % 2 == 1
+    page = await recorder.list("t1", 2, keep=odd)
+    assert [r["id"] for r in page.data] == ["cmpl-5", "cmpl-3"] and page.has_more
+    page = await recorder.list("t1", 2, after=page.last_id, keep=odd)
+    assert [r["id"] for r in page.data] == ["cmpl-1"] and not page.has_more
+    recorder.max_scan = 2  # a page that stops scanning early still says where to go on
+    page = await recorder.list("t1", 5, keep=odd)
+    assert [r["id"] for r in page.data] == ["cmpl-5"]
+    assert page.last_id == "cmpl-5" and page.has_more
 
 
 async def test_listing_drops_index_entries_older_than_the_ttl(recorder):
     await recorder.save("t1", make_record("cmpl-old", [-1.0], created=now() - 3600 - 60))
     await recorder.save("t1", make_record("cmpl-new", [-1.0]))
-    assert [r["id"] for r in await recorder.list("t1", 10)] == ["cmpl-new"]
+    assert [r["id"] for r in (await recorder.list("t1", 10)).data] == ["cmpl-new"]
     assert await recorder.redis.zrange(recorder.keys.index("t1"), 0, -1) == [b"cmpl-new"]
 
 
