@@ -170,6 +170,7 @@ def banner(gateway: str, workers: list[str], redis_url: str, logs: Path, mode: s
     lines = [
         "detgate is up",
         f"  gateway   {gateway}/v1   (metrics {gateway}/metrics)",
+        f"  web page  {gateway}/ui/   (records, replays, comparisons)",
         *(f"  worker    {url}   model={model} mode={mode}" for url in workers),
         f"  redis     {redis_url}",
         f"  logs      {logs}",

@@ -101,14 +101,15 @@ const fmtSci = (x) => {
 };
 const short = (s, n = 14) => (typeof s === "string" && s.length > n ? s.slice(0, n) + "…" : s);
 
-// A token as it reads in a chip: visible newlines and tabs, nothing collapsed.
+// Control characters other than newline and tab as \xNN: visible, and in every font.
+const visible = (text) => String(text).replace(/[\u0000-\u0008\u000b-\u001f\u007f]/g,
+  (c) => "\\x" + c.charCodeAt(0).toString(16).padStart(2, "0"));
+
+// A token as it reads in a chip: newlines and tabs as arrows, nothing collapsed.
 function tokenLabel(text, id) {
   if (text === null || text === undefined) return "#" + id;
   if (text === "") return "∅";
-  // Newlines and tabs as arrows, other control characters as their Unicode pictures.
-  return String(text).replace(/\n/g, "↵").replace(/\t/g, "⇥")
-    .replace(/[\u0000-\u001f]/g, (c) => String.fromCharCode(0x2400 + c.charCodeAt(0)))
-    .replace(/\u007f/g, "␡");
+  return visible(text).replace(/\n/g, "↵").replace(/\t/g, "⇥");
 }
 
 function badge(kind, label) {
@@ -207,9 +208,12 @@ function listHash(params) {
 
 async function viewList(params) {
   const query = new URLSearchParams({ limit: String(PAGE_SIZE) });
-  for (const k of ["status", "replay", "after"]) if (params.get(k)) query.set(k, params.get(k));
+  for (const k of ["limit", "status", "replay", "after"]) {
+    if (params.get(k)) query.set(k, params.get(k));
+  }
   const page = await api("GET", "/v1/requests?" + query.toString());
-  const current = { status: params.get("status"), replay: params.get("replay") };
+  const current = { limit: params.get("limit"), status: params.get("status"),
+                    replay: params.get("replay") };
 
   const select = (name, label, options) => {
     const s = el("select", { id: "filter-" + name, "aria-label": label },
@@ -467,7 +471,8 @@ function alignTable(a, b, div, d) {
 }
 
 function continuation(c, div, label, id) {
-  const tokens = c.tokens || (c.token_ids || []).map((t) => `#${t} `);
+  const tokens = (c.tokens || (c.token_ids || []).map((t) => `#${t} `))
+    .map((t) => visible(t ?? ""));
   const from = Math.max(0, div - 8);
   return el("div", { class: "card" }, el("h2", null, label),
     el("div", { class: "cont", id },

@@ -295,6 +295,16 @@ def test_list_record_and_replay_now_show_an_exact_match(page, gw, model):
     matched = [r.get_attribute("data-id") for r in page.all("#records tr.record-row")]
     assert rid in matched and plain not in matched
     assert "exact match" in page.text(f'tr[data-id="{rid}"] .last-replay')
+    page.open("#/?limit=1")  # paging: older, then back to the newest
+    page.wait("#records")
+    assert [r.get_attribute("data-id") for r in page.all("tr.record-row")] == [rid]
+    page.click("#older")
+    page.wait(f'tr[data-id="{plain}"]')
+    page.click("#newest")
+    page.wait(f'tr[data-id="{rid}"]')
+    select = page.wait("#filter-status")
+    select.find_element(page.By.CSS_SELECTOR, 'option[value="failed"]').click()
+    page.wait("#no-records")
     page.assert_nothing_ran()
 
 
