@@ -1,21 +1,36 @@
 """Client requests: validated in the gateway, then turned into the body sent to a worker.
 
-Nothing reaches a worker unless every field is known and within limits: an unknown field
-(`api_base`, `base_url`, any engine control we do not vouch for) is a 400, so a client can
-neither redirect the gateway nor change numerics behind the record's back.
+One strict pydantic model per endpoint says what a request may hold. Nothing reaches a worker
+unless every field is known and within limits: an unknown field (`api_base`, `base_url`, any
+engine control we do not vouch for) is a 400, so a client can neither redirect the gateway nor
+change numerics behind the record's back. Strict types: `"16"` or `true` is no integer. The
+limits that are settings (max_tokens, n, stop sequences, score length) come in as the
+validation context; rules between fields are checked after the model.
 
-The worker body always asks for logprobs, token ids and (streaming) usage, and carries a
-seed for sampled requests, so that every record can be compared and replayed exactly.
-`ClientAsk` remembers what the client itself asked for, to strip the rest from its answer.
+The worker body is the client's own JSON object (validated, never re-serialised from the
+model, so the record holds exactly what was sent) plus what the gateway always asks for:
+logprobs, token ids and (streaming) usage, and a seed for sampled requests, so that every
+record can be compared and replayed exactly. `ClientAsk` remembers what the client itself
+asked for, to strip the rest from its answer.
 """
 
 from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import orjson
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    WrapValidator,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from detgate.contract.constants import MAX_LOGPROBS, ROLES, prompt_logprobs_conflict
 from gateway.config import Settings
@@ -26,14 +41,130 @@ COMPLETIONS = "/v1/completions"
 SCORE = "/v1/score"
 INT64 = 2 ** 63
 
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "stream",
-           "stream_options", "seed", "user", "presence_penalty", "frequency_penalty",
-           "logprobs", "return_token_ids", "prompt_logprobs"}
-ALLOWED = {
-    CHAT: _COMMON | {"messages", "top_logprobs", "max_completion_tokens"},
-    COMPLETIONS: _COMMON | {"prompt"},
-}
-_SCORE_FIELDS = {"model", "token_ids", "start", "system_fingerprint"}
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def _limit(info: ValidationInfo, name: str) -> int:
+    settings: Settings = info.context
+    return getattr(settings, name)
+
+
+def _at_most(value: Any, limit: int, what: str) -> Any:
+    if value is not None and value > limit:
+        raise PydanticCustomError("limit", f"at most {limit} {what}")
+    return value
+
+
+def _explained(message: str) -> WrapValidator:
+    """One plain message for a union's failure instead of one error per member type."""
+    def validate(value: Any, handler: Any) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("invalid", message) from None
+    return WrapValidator(validate)
+
+
+Prompt = Annotated[str | list[Annotated[int, Field(ge=0)]], Field(min_length=1), _explained(
+    "a non-empty string or a list of token ids (one prompt per request, so that each answer "
+    "has one record)")]
+Stop = Annotated[str | list[Annotated[str, Field(min_length=1)]],
+                 _explained("a string or a list of non-empty strings")]
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class Message(BaseModel):
+    # Other message fields (name, tool_call_id, ...) go to the worker as sent.
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    role: Literal[ROLES]  # type: ignore[valid-type]
+    content: str | list[Any]
+
+
+class _Generation(_Strict):
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    n: int | None = Field(None, ge=1)
+    top_k: int | None = Field(None, ge=-1, le=1 << 31)
+    seed: int | None = Field(None, ge=-INT64, le=INT64 - 1)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    stop: Stop | None = None
+    user: str | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool | None = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens(cls, v: int | None, info: ValidationInfo) -> int | None:
+        return _at_most(v, _limit(info, "max_tokens"), "tokens")
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v: int | None, info: ValidationInfo) -> int | None:
+        return _at_most(v, _limit(info, "max_n"), "choices")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None, info: ValidationInfo) -> str | list[str] | None:
+        if isinstance(v, list):
+            _at_most(len(v), _limit(info, "max_stop"), "stop sequences")
+        return v
+
+
+class ChatRequest(_Generation):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _max_completion_tokens(cls, v: int | None, info: ValidationInfo) -> int | None:
+        return _at_most(v, _limit(info, "max_tokens"), "tokens")
+
+
+class CompletionRequest(_Generation):
+    prompt: Prompt
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
+
+
+class ScoreBody(_Strict):
+    """The built-in worker's score request: 0 < start < len(token_ids), start 1 when absent;
+    token ids are non-negative (the worker checks them against its vocabulary)."""
+
+    model: str = Field(min_length=1)
+    token_ids: list[Annotated[int, Field(ge=0, lt=INT64)]] = Field(min_length=2)
+    start: int = Field(1, ge=1)
+    system_fingerprint: str | None = Field(None, min_length=1)
+
+    @field_validator("token_ids")
+    @classmethod
+    def _length(cls, v: list[int], info: ValidationInfo) -> list[int]:
+        _at_most(len(v), _limit(info, "max_score_tokens"), "token ids")
+        return v
+
+
+class ReplayBody(_Strict):
+    load: int = Field(0, ge=0)  # other requests sent to the worker alongside the replay
+
+    @field_validator("load")
+    @classmethod
+    def _load(cls, v: int, info: ValidationInfo) -> int:
+        return _at_most(v, _limit(info, "max_replay_load"), "concurrent requests")
+
+
+_MODELS: dict[str, type[_Generation]] = {CHAT: ChatRequest, COMPLETIONS: CompletionRequest}
+_FORWARDED_ONLY = "the gateway forwards only parameters it records and can replay"
 
 
 @dataclass(frozen=True)
@@ -59,73 +190,6 @@ class ParsedRequest:
         return self.endpoint == CHAT
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
-
-
-def _int(body: dict, name: str, lo: int, hi: int) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if not _is_int(v) or not lo <= v <= hi:
-        raise BadRequest(f"'{name}' must be an integer from {lo} to {hi}", param=name)
-    return v
-
-
-def _num(body: dict, name: str, lo: float, hi: float, *, open_lo: bool = False) -> None:
-    v = body.get(name)
-    if v is None:
-        return
-    if not _is_num(v) or v > hi or v < lo or (open_lo and v == lo):
-        raise BadRequest(f"'{name}' must be a number in {'(' if open_lo else '['}{lo}, {hi}]",
-                         param=name)
-
-
-def _bool(body: dict, name: str) -> bool | None:
-    v = body.get(name)
-    if v is not None and not isinstance(v, bool):
-        raise BadRequest(f"'{name}' must be a boolean", param=name)
-    return v
-
-
-def _messages(body: dict) -> None:
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise BadRequest("'messages' must be a non-empty list", param="messages")
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise BadRequest(f"messages[{i}] needs a 'role' among {sorted(ROLES)}",
-                             param=f"messages[{i}]")
-        content = m.get("content")
-        if not isinstance(content, str | list):
-            raise BadRequest(f"messages[{i}].content must be a string or a list of parts",
-                             param=f"messages[{i}].content")
-
-
-def _prompt(body: dict) -> None:
-    p = body.get("prompt")
-    ok = (isinstance(p, str) and p != "") or (
-        isinstance(p, list) and p and all(_is_int(t) and t >= 0 for t in p))
-    if not ok:
-        raise BadRequest("'prompt' must be a non-empty string or a list of token ids "
-                         "(one prompt per request, so that each answer has one record)",
-                         param="prompt")
-
-
-def _stop(body: dict, max_stop: int) -> None:
-    stop = body.get("stop")
-    if stop is None or isinstance(stop, str):
-        return
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise BadRequest("'stop' must be a string or a list of non-empty strings", param="stop")
-    if len(stop) > max_stop:
-        raise BadRequest(f"'stop' may hold at most {max_stop} sequences", param="stop")
-
-
 @dataclass(frozen=True)
 class ScoreRequest:
     model: str
@@ -133,115 +197,99 @@ class ScoreRequest:
     fingerprint: str | None  # the client demands a worker with this fingerprint
 
 
-def _json_object(raw: bytes, allowed: set[str], why: str) -> dict:
+def _json_object(raw: bytes) -> dict:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"the body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise BadRequest(f"unsupported parameter '{unknown[0]}' ({why})", param=unknown[0],
-                         code="unknown_parameter")
     return body
 
 
-def _model(body: dict) -> str:
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadRequest("'model' must be a non-empty string", param="model")
-    return model
+def _validate(model: type[BaseModel], body: dict, settings: Settings, why: str) -> Any:
+    """The body as `model`, or the 400 for its first problem (an unknown field first)."""
+    try:
+        return model.model_validate(body, context=settings)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+    unknown = [e for e in errors if e["type"] == "extra_forbidden"]
+    if unknown:
+        name = _path(unknown[0]["loc"])
+        raise BadRequest(f"unsupported parameter '{name}' ({why})",
+                         param=str(unknown[0]["loc"][0]), code="unknown_parameter") from None
+    first = errors[0]
+    loc = first["loc"]
+    message = f"'{_path(loc)}': {first['msg']}" if loc else first["msg"]
+    raise BadRequest(message, param=str(loc[0]) if loc else None) from None
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _path(loc: tuple) -> str:
+    """('messages', 0, 'role') -> 'messages[0].role'; union member tags are left out."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not out:
+            out = part
+        elif part not in _TYPE_TAGS and "[" not in part:  # a union member's tag, not a field
+            out += f".{part}"
+    return out
 
 
 def parse(endpoint: str, raw: bytes, settings: Settings) -> ParsedRequest:
-    body = _json_object(raw, ALLOWED[endpoint],
-                        "the gateway forwards only parameters it records and can replay")
-    model = _model(body)
-    if endpoint == CHAT:
-        _messages(body)
-    else:
-        _prompt(body)
-    _int(body, "max_tokens", 1, settings.max_tokens)
-    _int(body, "max_completion_tokens", 1, settings.max_tokens)
-    _int(body, "n", 1, settings.max_n)
-    _int(body, "top_k", -1, 1 << 31)
-    _int(body, "seed", -INT64, INT64 - 1)
-    _int(body, "prompt_logprobs", 0, MAX_LOGPROBS)
-    _num(body, "temperature", 0.0, 2.0)
-    _num(body, "top_p", 0.0, 1.0, open_lo=True)
-    _num(body, "presence_penalty", -2.0, 2.0)
-    _num(body, "frequency_penalty", -2.0, 2.0)
-    _stop(body, settings.max_stop)
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise BadRequest("'user' must be a string", param="user")
-    stream = bool(_bool(body, "stream"))
-    token_ids = bool(_bool(body, "return_token_ids"))
-    include_usage = _stream_options(body, stream)
-    if (conflict := prompt_logprobs_conflict(stream, body.get("prompt_logprobs"))) is not None:
+    body = _json_object(raw)
+    req = _validate(_MODELS[endpoint], body, settings, _FORWARDED_ONLY)
+    stream = bool(req.stream)
+    if req.stream_options is not None and not stream:
+        raise BadRequest("'stream_options' needs 'stream': true", param="stream_options")
+    if (conflict := prompt_logprobs_conflict(stream, req.prompt_logprobs)) is not None:
         raise BadRequest(conflict, param="prompt_logprobs")
 
     out = dict(body)
-    if endpoint == CHAT:
-        asked = bool(_bool(body, "logprobs"))
-        top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if isinstance(req, ChatRequest):
+        asked = bool(req.logprobs)
+        top = req.top_logprobs
         if top is not None and not asked:
             raise BadRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         out["logprobs"] = True
         out["top_logprobs"] = top or 0
     else:
-        top = _int(body, "logprobs", 0, MAX_LOGPROBS)
+        top = req.logprobs
         asked = top is not None
         # At least one alternative, so every worker reports the chosen token's logprob.
         out["logprobs"] = max(top or 0, 1)
     out["return_token_ids"] = True
     if stream:
         out["stream_options"] = {"include_usage": True}
-    temperature = body.get("temperature")
-    if body.get("seed") is None and (temperature is None or temperature > 0):
+    if req.seed is None and (req.temperature is None or req.temperature > 0):
         out["seed"] = secrets.randbelow(1 << 31)
-    ask = ClientAsk(logprobs=asked, top_logprobs=top or 0, token_ids=token_ids,
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    ask = ClientAsk(logprobs=asked, top_logprobs=top or 0, token_ids=bool(req.return_token_ids),
                     include_usage=include_usage)
-    return ParsedRequest(endpoint=endpoint, model=model, stream=stream, body=out, ask=ask)
-
-
-def _stream_options(body: dict, stream: bool) -> bool:
-    opts = body.get("stream_options")
-    if opts is None:
-        return False
-    if not stream:
-        raise BadRequest("'stream_options' needs 'stream': true", param="stream_options")
-    if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
-        raise BadRequest("'stream_options' may hold only 'include_usage'", param="stream_options")
-    include = opts.get("include_usage")
-    if include is not None and not isinstance(include, bool):
-        raise BadRequest("'stream_options.include_usage' must be a boolean",
-                         param="stream_options")
-    return bool(include)
+    return ParsedRequest(endpoint=endpoint, model=req.model, stream=stream, body=out, ask=ask)
 
 
 def parse_score(raw: bytes, settings: Settings) -> ScoreRequest:
-    """The built-in worker's score request, with its rules: 0 < start < len(token_ids), start
-    1 when absent; token ids are non-negative (the worker checks them against its vocabulary)."""
-    body = _json_object(raw, _SCORE_FIELDS, f"a score request holds only {sorted(_SCORE_FIELDS)}")
-    model = _model(body)
-    ids = body.get("token_ids")
-    limit = settings.max_score_tokens
-    if not isinstance(ids, list) or not 2 <= len(ids) <= limit:
-        raise BadRequest(f"'token_ids' must be a list of 2 to {limit} token ids",
-                         param="token_ids")
-    if not all(_is_int(t) and 0 <= t < INT64 for t in ids):
-        raise BadRequest("'token_ids' must hold non-negative integers", param="token_ids")
-    start = body.get("start", 1)
-    if not _is_int(start) or not 0 < start < len(ids):
-        raise BadRequest(f"'start' must be an integer from 1 to {len(ids) - 1} (len(token_ids) "
-                         "- 1): the first token has no context to be scored in", param="start")
-    fingerprint = body.get("system_fingerprint")
-    if fingerprint is not None and (not isinstance(fingerprint, str) or not fingerprint):
-        raise BadRequest("'system_fingerprint' must be a non-empty string",
-                         param="system_fingerprint")
-    return ScoreRequest(model=model, body={"model": model, "token_ids": ids, "start": start},
-                        fingerprint=fingerprint)
+    req = _validate(ScoreBody, _json_object(raw), settings,
+                    f"a score request holds only {sorted(ScoreBody.model_fields)}")
+    if req.start >= len(req.token_ids):
+        raise BadRequest(f"'start' must be an integer from 1 to {len(req.token_ids) - 1} "
+                         "(len(token_ids) - 1): the first token has no context to be scored in",
+                         param="start")
+    return ScoreRequest(model=req.model,
+                        body={"model": req.model, "token_ids": req.token_ids, "start": req.start},
+                        fingerprint=req.system_fingerprint)
+
+
+def parse_replay(raw: bytes, settings: Settings) -> int:
+    """`POST /replay/{id}`'s optional body: the load to run the replay under (0 without)."""
+    if not raw.strip():
+        return 0
+    return _validate(ReplayBody, _json_object(raw), settings, "the body may hold only 'load'").load
 
 
 def replay_body(recorded: dict) -> dict:

@@ -7,6 +7,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from detgate.contract.constants import STATUSES
+from gateway import protocol
 from gateway.errors import BadRequest, NotFound
 from gateway.replay import replay
 from gateway.services import read_body, services
@@ -73,17 +74,6 @@ async def list_records(request: Request) -> Response:
 async def replay_record(record_id: str, request: Request) -> Response:
     svc = services(request)
     tenant = svc.auth.tenant(request.headers.get("authorization"))
-    raw = await read_body(request, svc.settings.max_body_bytes)
-    load = 0
-    if raw.strip():
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            raise BadRequest("the body is not valid JSON") from None
-        if not isinstance(body, dict) or set(body) - {"load"}:
-            raise BadRequest("the body may hold only 'load'", param="load")
-        load = body.get("load", 0)
-        limit = svc.settings.max_replay_load
-        if not isinstance(load, int) or isinstance(load, bool) or not 0 <= load <= limit:
-            raise BadRequest(f"'load' must be an integer from 0 to {limit}", param="load")
+    load = protocol.parse_replay(await read_body(request, svc.settings.max_body_bytes),
+                                 svc.settings)
     return _json(await replay(svc, tenant, record_id, load))
