@@ -430,3 +430,6 @@ def test_another_tenants_record_is_not_found(page, gw, model):
     assert "not found" in page.text("#not-found").lower()
     page.shot("07-not-found")
     page.assert_nothing_ran()
+    page.click("#forget-key")  # the key leaves the tab; the API asks for one again
+    page.wait("#api-key")
+    assert page.d.execute_script("return sessionStorage.getItem('detgate.apiKey')") is None
