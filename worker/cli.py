@@ -58,3 +58,11 @@ def register_bench(bench_sub) -> None:
     p.add_argument("--repeats", type=int, default=4, help="runs of each mode, interleaved")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.set_defaults(func=lambda args: __import__("worker.bench", fromlist=["main"]).main(args))
+
+
+def register_bench_model(bench_sub) -> None:
+    p = bench_sub.add_parser("model", help="a real model in worker processes: start time, memory, "
+                                           "TTFT and tokens/s, default vs batch_invariant")
+    __import__("worker.bench_model", fromlist=["register_args"]).register_args(p)
+    p.set_defaults(func=lambda args: __import__("worker.bench_model",
+                                                fromlist=["main"]).main(args))
