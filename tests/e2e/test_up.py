@@ -15,8 +15,12 @@ from tests.support.procs import detgate_cmd, free_port
 
 
 @pytest.fixture
-def stack(tmp_path, redis_url):
+def stack(tmp_path, redis_url, smollm2_state):
+    """`detgate up` as the README runs it (the default model), its state dir sharing the
+    session's prepared model folder."""
     port = free_port()
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "models").symlink_to(smollm2_state / "models")
     env = {**os.environ, "DETGATE_STATE_DIR": str(tmp_path / "state"),
            "DETGATE_REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1"}
     with open(tmp_path / "up.log", "wb") as log:
@@ -44,11 +48,12 @@ def test_up_serves_records_replays_and_stops_cleanly(stack):
     base, proc, log_path = stack
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
     model = client.models.list().data[0].id
+    assert model == "smollm2-135m-instruct"
     answer = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Tell me about Richard Feynman"}],
+        model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
         max_tokens=12, temperature=0,
     )
-    assert answer.choices[0].message.content
+    assert "Paris" in answer.choices[0].message.content
     record = httpx.get(f"{base}/v1/requests/{answer.id}").json()
     assert record["status"] == "complete"
     replay = httpx.post(f"{base}/replay/{answer.id}", json={"load": 4}, timeout=120).json()
