@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["add_rms_norm", "log_softmax", "matmul", "rms_norm", "set_batch_invariant_mode"]
+__all__ = ["add_rms_norm", "log_softmax", "matmul", "rms_norm", "set_batch_invariant_mode",
+           "silu_and_mul"]
 
 # op name -> module holding its CUDA (Triton) implementation, under the same name.
 _CUDA_MODULES = {
@@ -69,6 +70,19 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """log_softmax computed in fp32, one fixed reduction order per row."""
     return _impl("log_softmax", x)(x, dim)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] = (gate | up) -> silu(gate) * up [..., I], the same bits for an element
+    wherever it sits. On CUDA torch applies one device function to every element, so plain
+    torch is that already; on the CPU torch's vectorised body and scalar tail compute exp
+    differently, so the CPU path is ours."""
+    if x.device.type == "cpu":
+        return import_module("kernels.cpu").silu_and_mul(x)
+    import torch.nn.functional as F
+
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def set_batch_invariant_mode(enabled: bool = True):

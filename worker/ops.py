@@ -1,7 +1,10 @@
 """The model's reducing ops, in one of two numeric modes chosen when the model is built.
 
-Only matmul, RMSNorm, attention and log_softmax reduce; everything else in the decoder is
-pointwise (or a gather) and is batch-invariant already. `make_ops("default")` uses plain torch:
+Only matmul, RMSNorm, attention and log_softmax reduce, and SwiGLU's silu is the one
+transcendental pointwise op (torch computes exp in its vectorised loop body and libm's in the
+scalar tail, which can differ by an ulp, and where a row falls depends on the batch);
+everything else in the decoder is a gather or one IEEE +, * or rounding per element, which
+gives the same bits in any loop, so it is batch-invariant already. `make_ops("default")` uses plain torch:
 fast, but its reduction order may depend on how many rows are in the batch.
 `make_ops("batch_invariant")` routes every reduction through `kernels`, whose results for one
 row never depend on the rest of the batch.
@@ -57,6 +60,10 @@ class DefaultOps:
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         return F.log_softmax(logits.float(), dim=-1)
 
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
 
 class BatchInvariantOps:
     """Every reduction through `kernels`: one order per output element, whatever the batch."""
@@ -106,6 +113,9 @@ class BatchInvariantOps:
 
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         return self._kernels.log_softmax(logits, dim=-1)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._kernels.silu_and_mul(gate_up)
 
 
 Ops = DefaultOps | BatchInvariantOps

@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference
-from kernels.attention_cpu import _attend, _bucket_slots
 from tests.kernels.paged_cases import World, make_world, prefill, step, with_block_size
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -95,12 +94,10 @@ def test_block_size_does_not_change_bits(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_bits_do_not_depend_on_the_bucket(dtype):
-    """The CPU kernel groups sequences by their query count (rounded up to a power of two)
-    and gives each group only the key tiles it reaches. A prompt chunked across every
-    bucket boundary (1, 2, 3, 4, 5, 8, 9, 16, 17, 31, 32, 33 queries), each chunk alone or
-    sharing its bucket with other sequences' decodes and chunks of other lengths, longer and
-    shorter, gives the bits of the whole prompt prefilled alone."""
+def test_bits_do_not_depend_on_the_batch_shape(dtype):
+    """A prompt chunked into pieces of 1 to 49 queries, each chunk alone or beside other
+    sequences' decodes and chunks of other lengths, longer and shorter, gives the bits of the
+    whole prompt prefilled alone."""
     world = make_world([210, 300, 40, 130, 7], 8, 2, 64, 16, dtype, seed=23)
     fresh = prefill(world, [0])[0]
     others = [prefill(world, [i])[0] for i in range(1, 5)]
@@ -123,23 +120,6 @@ def test_bits_do_not_depend_on_the_bucket(dtype):
                 assert torch.equal(out, others[i - 1][s:e]), (n, i)
         start += size
     assert torch.equal(torch.cat(outs), fresh[:start])
-
-
-def test_bucket_rows_are_invariant_row_counts():
-    """Every bucket's row count is a row count MKL's GEMM is invariant at (a multiple of 4).
-    Negative control: the same rows attended as 1, 2 or 3 rows (MKL's gemv and small-M
-    paths) give other bits, so a bucket of an odd row count would break the tests above."""
-    for group in range(1, 9):
-        assert all(_bucket_slots(n, group) >= n and _bucket_slots(n, group) * group % 4 == 0
-                   for n in range(1, 2049)), group
-    gen = torch.Generator().manual_seed(29)
-    k, v = (torch.randn(4, 8, 192, 64, generator=gen) for _ in range(2))
-    q = torch.randn(4, 8, 4, 64, generator=gen)
-    pos = torch.full((8, 4), 191)
-    four = _attend(q, pos, k, v)
-    for rows in (1, 2, 3):
-        assert not torch.equal(_attend(q[:, :, :rows].contiguous(), pos[:, :rows], k, v),
-                               four[:, :, :rows]), rows
 
 
 def test_store_kv_skips_negative_slots():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from worker.config import ModelConfig
@@ -17,7 +16,7 @@ class SwiGLU(nn.Module):
         size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, [size, size], ops, config.dtype)
         self.down_proj = Linear(size, [config.hidden_size], ops, config.dtype)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))

@@ -1,0 +1,497 @@
+// Batch-invariant CPU kernels: every output element is reduced in one order, fixed by this
+// code, that depends only on the reduction length (K, the hidden size, the head dim, the
+// context length) and never on the number of rows, a row's position, the thread count or the
+// instruction set. The argument, which must stay true through every edit:
+//
+// 1. Each output element is computed by exactly one thread, start to finish. Threads split
+//    the OUTPUT (rows, columns, tokens), never a reduction, so the thread count only decides
+//    who computes an element, not how.
+// 2. Every reduction runs on `vf8`, eight float lanes: the input is cut into blocks of 8
+//    (the last block padded: zeros for sums and dot products, -inf for maxima), lane l
+//    accumulates elements i = l (mod 8) in increasing i, and the 8 partials are combined by
+//    the fixed tree of `combine()`. The order is a function of the length alone.
+// 3. The arithmetic is IEEE: we never build with -ffast-math, so the compiler may not
+//    reassociate, and we build with -ffp-contract=off, so no a*b+c is fused unless written
+//    as `fma8`, which is exactly rounded by IEEE 754 in each of its implementations (AVX2's
+//    vfmadd, NEON's vfma, libm's fmaf): all give the same bits.
+// 4. Transcendental functions are our own (exp8 below: IEEE +, *, and exponent bits) and
+//    every element, padding included, goes through the same vf8 code: no library's vector
+//    body for some elements and scalar tail for others. log is called once per row, on the
+//    row's own sum.
+// 5. The build for this CPU (AVX2 + FMA, or the portable baseline on other x86 and on ARM)
+//    changes speed, not bits, by 2-4; `isa()` names it and the worker's fingerprint records
+//    it. tests/kernels/ compare the builds bit for bit on every machine that runs them.
+//
+// So the bits of one row of matmul(a, w) depend on that row of `a`, on `w` and on K, nothing
+// else; likewise for the other ops.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+#endif
+
+namespace {
+
+#define DETGATE_INLINE inline __attribute__((always_inline))
+
+typedef float vf8 __attribute__((vector_size(32)));
+typedef int32_t vi8 __attribute__((vector_size(32)));
+typedef uint32_t vu8 __attribute__((vector_size(32)));
+typedef uint16_t vu16x8 __attribute__((vector_size(16)));
+constexpr int L = 8;
+
+DETGATE_INLINE vf8 splat(float x) { return vf8{x, x, x, x, x, x, x, x}; }
+
+DETGATE_INLINE vf8 fma8(vf8 a, vf8 b, vf8 c) {
+#if defined(__AVX2__) && defined(__FMA__)
+  return (vf8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#elif defined(__aarch64__)
+  float32x4_t lo = vfmaq_f32(vld1q_f32(&c[0]), vld1q_f32(&a[0]), vld1q_f32(&b[0]));
+  float32x4_t hi = vfmaq_f32(vld1q_f32(&c[4]), vld1q_f32(&a[4]), vld1q_f32(&b[4]));
+  vf8 r;
+  vst1q_f32(&r[0], lo);
+  vst1q_f32(&r[4], hi);
+  return r;
+#else
+  for (int l = 0; l < L; ++l) c[l] = std::fma(a[l], b[l], c[l]);
+  return c;
+#endif
+}
+
+// The partials of an 8-lane reduction, added in one fixed tree.
+DETGATE_INLINE float combine(vf8 s) {
+  return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+}
+
+DETGATE_INLINE vf8 max8(vf8 a, vf8 b) { return (a > b) | (a != a) ? a : b; }
+
+DETGATE_INLINE float combine_max(vf8 s) {
+  auto mx = [](float a, float b) { return a > b || a != a ? a : b; };
+  return mx(mx(mx(s[0], s[4]), mx(s[2], s[6])), mx(mx(s[1], s[5]), mx(s[3], s[7])));
+}
+
+// Eight elements from p, widened to fp32 (exact).
+DETGATE_INLINE vf8 load8(const float* p) {
+  vf8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+DETGATE_INLINE vf8 load8(const uint16_t* p) {  // bfloat16: the high half of an fp32
+  vu16x8 h;
+  std::memcpy(&h, p, sizeof h);
+  return (vf8)(__builtin_convertvector(h, vu8) << 16);
+}
+
+// The first n < 8 elements from p, widened to fp32, the other lanes `fill`.
+template <typename T>
+vf8 load8_part(const T* p, int64_t n, float fill);
+
+template <>
+DETGATE_INLINE vf8 load8_part<float>(const float* p, int64_t n, float fill) {
+  vf8 v = splat(fill);
+  for (int64_t l = 0; l < n; ++l) v[l] = p[l];
+  return v;
+}
+
+template <>
+DETGATE_INLINE vf8 load8_part<uint16_t>(const uint16_t* p, int64_t n, float fill) {
+  vf8 v = splat(fill);
+  for (int64_t l = 0; l < n; ++l) {
+    uint32_t bits = static_cast<uint32_t>(p[l]) << 16;
+    std::memcpy(&v[l], &bits, sizeof(float));
+  }
+  return v;
+}
+
+DETGATE_INLINE void store8_part(float* p, vf8 v, int64_t n) {
+  for (int64_t l = 0; l < n; ++l) p[l] = v[l];
+}
+
+// exp(x), within 2 ulp for normal results, from IEEE +, * and exponent bits only (Cephes'
+// expf: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial for e^r).
+DETGATE_INLINE vf8 exp8(vf8 x) {
+  const vi8 nan = x != x;
+  const vi8 overflow = x > 88.72283935546875f;
+  x = x < -110.0f ? splat(-110.0f) : x;  // e^-110 rounds to 0; keeps 2^n's halves normal
+  x = (nan | overflow) ? splat(0.0f) : x;
+  const vf8 t = x * 1.44269504088896341f;
+  const vf8 n = (t + 12582912.0f) - 12582912.0f;  // round to nearest, |t| < 2^22
+  vf8 r = x - n * 0.693359375f;                   // ln2 in two parts: n * hi is exact
+  r = r - n * -2.12194440e-4f;
+  vf8 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  vf8 y = p * (r * r) + r + 1.0f;
+  // 2^n as two normal factors, so that results down to the subnormals round once.
+  const vi8 ni = __builtin_convertvector(n, vi8);
+  const vi8 n1 = ni / 2;
+  const vi8 n2 = ni - n1;
+  y = (y * (vf8)((vu8)(n1 + 127) << 23)) * (vf8)((vu8)(n2 + 127) << 23);
+  y = overflow ? splat(INFINITY) : y;
+  return nan ? splat(NAN) : y;
+}
+
+// ---- matmul: out[m, n] = sum_k a[m, k] * w[n, k] ---------------------------------------
+//
+// Dot-product form over w's rows, so a Linear weight [N, K] is read in place (no packing, no
+// copy). Per output element: 8 partials over k (2 above), each a chain of fma8 from +0, then
+// combine(). Blocks of R rows x C columns share their loads; a block's shape changes which
+// elements are computed together, never how.
+
+constexpr int MR = 3;
+constexpr int NR = 4;
+
+template <int R, int C, typename TW>
+DETGATE_INLINE void dot_block(const float* a, int64_t lda, const TW* w, int64_t ldw,
+                              int64_t k, float* out, int64_t ldo) {
+  vf8 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = splat(0.0f);
+  const int64_t body = k - k % L;
+  for (int64_t k0 = 0; k0 < body; k0 += L) {
+    vf8 av[R];
+    for (int r = 0; r < R; ++r) av[r] = load8(a + r * lda + k0);
+    for (int c = 0; c < C; ++c) {
+      const vf8 wv = load8(w + c * ldw + k0);
+      for (int r = 0; r < R; ++r) acc[r][c] = fma8(av[r], wv, acc[r][c]);
+    }
+  }
+  if (body < k) {
+    for (int r = 0; r < R; ++r) {
+      const vf8 av = load8_part(a + r * lda + body, k - body, 0.0f);
+      for (int c = 0; c < C; ++c) {
+        acc[r][c] = fma8(av, load8_part(w + c * ldw + body, k - body, 0.0f), acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[r * ldo + c] = combine(acc[r][c]);
+}
+
+template <int R, typename TW>
+DETGATE_INLINE void dot_rows(const float* a, int64_t lda, const TW* w, int64_t ldw, int64_t k,
+                             float* out, int64_t ldo, int64_t cols) {
+  int64_t c = 0;
+  for (; c + NR <= cols; c += NR) dot_block<R, NR>(a, lda, w + c * ldw, ldw, k, out + c, ldo);
+  for (; c < cols; ++c) dot_block<R, 1>(a, lda, w + c * ldw, ldw, k, out + c, ldo);
+}
+
+// One task: rows [0, rows) x columns [0, cols) of the output.
+template <typename TW>
+void matmul_task(const float* a, int64_t lda, const TW* w, int64_t ldw, int64_t k,
+                 float* out, int64_t ldo, int64_t rows, int64_t cols) {
+  int64_t r = 0;
+  for (; r + MR <= rows; r += MR) {
+    dot_rows<MR>(a + r * lda, lda, w, ldw, k, out + r * ldo, ldo, cols);
+  }
+  if (rows - r == 2) dot_rows<2>(a + r * lda, lda, w, ldw, k, out + r * ldo, ldo, cols);
+  if (rows - r == 1) dot_rows<1>(a + r * lda, lda, w, ldw, k, out + r * ldo, ldo, cols);
+}
+
+// Tasks of ROW_TILE x COL_TILE outputs, column tile major so that a thread's consecutive
+// tasks read the same weight rows. M and the thread count change who computes what, only.
+constexpr int64_t ROW_TILE = 48;
+constexpr int64_t COL_TILE = 64;
+
+torch::Tensor matmul(const torch::Tensor& a, const torch::Tensor& w) {
+  TORCH_CHECK(a.dim() == 2 && w.dim() == 2 && a.size(1) == w.size(1),
+              "matmul: a [M, K] and w [N, K] expected");
+  TORCH_CHECK(a.scalar_type() == torch::kFloat32 && a.stride(1) == 1,
+              "matmul: a must be fp32 with contiguous rows");
+  TORCH_CHECK(w.stride(1) == 1 && (w.scalar_type() == torch::kFloat32 ||
+                                   w.scalar_type() == torch::kBFloat16),
+              "matmul: w must be fp32 or bf16 with contiguous rows");
+  const int64_t m = a.size(0), k = a.size(1), n = w.size(0);
+  auto out = torch::empty({m, n}, a.options());
+  if (m == 0 || n == 0) return out;
+  const float* ap = a.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t lda = a.stride(0), ldw = w.stride(0);
+  const int64_t row_tiles = (m + ROW_TILE - 1) / ROW_TILE;
+  const int64_t col_tiles = (n + COL_TILE - 1) / COL_TILE;
+  const bool bf16 = w.scalar_type() == torch::kBFloat16;
+  const void* wp = w.data_ptr();
+  at::parallel_for(0, row_tiles * col_tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t r0 = (t % row_tiles) * ROW_TILE, c0 = (t / row_tiles) * COL_TILE;
+      const int64_t rows = std::min(ROW_TILE, m - r0), cols = std::min(COL_TILE, n - c0);
+      if (bf16) {
+        matmul_task(ap + r0 * lda, lda, static_cast<const uint16_t*>(wp) + c0 * ldw, ldw, k,
+                    op + r0 * n + c0, n, rows, cols);
+      } else {
+        matmul_task(ap + r0 * lda, lda, static_cast<const float*>(wp) + c0 * ldw, ldw, k,
+                    op + r0 * n + c0, n, rows, cols);
+      }
+    }
+  });
+  return out;
+}
+
+// ---- row reductions ---------------------------------------------------------------------
+
+DETGATE_INLINE float sum_squares(const float* x, int64_t n) {
+  vf8 s = splat(0.0f);
+  const int64_t body = n - n % L;
+  for (int64_t i = 0; i < body; i += L) {
+    const vf8 v = load8(x + i);
+    s = fma8(v, v, s);
+  }
+  if (body < n) {
+    const vf8 v = load8_part(x + body, n - body, 0.0f);
+    s = fma8(v, v, s);
+  }
+  return combine(s);
+}
+
+// 1 / sqrt(mean(x^2) + eps) per row of x [R, H] fp32 -> [R] fp32. sqrt and / are correctly
+// rounded IEEE operations, so the statistic's bits follow from the sum's.
+torch::Tensor inv_rms(const torch::Tensor& x, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1,
+              "inv_rms: x [R, H] fp32 with contiguous rows expected");
+  const int64_t rows = x.size(0), h = x.size(1), ld = x.stride(0);
+  auto out = torch::empty({rows}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float feps = static_cast<float>(eps), fh = static_cast<float>(h);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      op[r] = 1.0f / std::sqrt(sum_squares(xp + r * ld, h) / fh + feps);
+    }
+  });
+  return out;
+}
+
+DETGATE_INLINE float max_of(const float* x, int64_t n) {
+  vf8 m = splat(-INFINITY);
+  const int64_t body = n - n % L;
+  for (int64_t i = 0; i < body; i += L) m = max8(m, load8(x + i));
+  if (body < n) m = max8(m, load8_part(x + body, n - body, -INFINITY));
+  return combine_max(m);
+}
+
+// e[i] = exp(x[i] - m) for i < n (e may be x); returns their sum.
+DETGATE_INLINE float exp_sum(const float* x, int64_t n, float m, float* e) {
+  vf8 s = splat(0.0f);
+  const int64_t body = n - n % L;
+  for (int64_t i = 0; i < body; i += L) {
+    const vf8 v = exp8(load8(x + i) - m);
+    std::memcpy(e + i, &v, sizeof v);
+    s = s + v;
+  }
+  if (body < n) {  // padding is -inf: exp gives exactly 0
+    const vf8 v = exp8(load8_part(x + body, n - body, -INFINITY) - m);
+    store8_part(e + body, v, n - body);
+    s = s + v;
+  }
+  return combine(s);
+}
+
+// log_softmax over the last dim of x [R, V] fp32 -> [R, V] fp32: x - (max + log(sum exp)).
+torch::Tensor log_softmax(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1,
+              "log_softmax: x [R, V] fp32 with contiguous rows expected");
+  const int64_t rows = x.size(0), v = x.size(1), ld = x.stride(0);
+  auto out = torch::empty({rows, v}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * ld;
+      float* orow = op + r * v;
+      const float m = max_of(row, v);
+      const float shift = m + std::log(exp_sum(row, v, m, orow));  // orow as scratch
+      for (int64_t i = 0; i < v; ++i) orow[i] = row[i] - shift;
+    }
+  });
+  return out;
+}
+
+// ---- SwiGLU: silu(gate) * up, elementwise ----------------------------------------------
+
+DETGATE_INLINE vf8 silu_mul8(vf8 g, vf8 u) { return g / (1.0f + exp8(-g)) * u; }
+
+// x [R, 2I] fp32 (gate | up, as the packed matmul writes them) -> [R, I] fp32.
+torch::Tensor silu_and_mul(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1 &&
+                  x.size(1) % 2 == 0,
+              "silu_and_mul: x [R, 2I] fp32 with contiguous rows expected");
+  const int64_t rows = x.size(0), half = x.size(1) / 2, ld = x.stride(0);
+  auto out = torch::empty({rows, half}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t body = half - half % L;
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = xp + r * ld;
+      const float* u = g + half;
+      float* o = op + r * half;
+      for (int64_t i = 0; i < body; i += L) {
+        const vf8 v = silu_mul8(load8(g + i), load8(u + i));
+        std::memcpy(o + i, &v, sizeof v);
+      }
+      if (body < half) {
+        store8_part(o + body, silu_mul8(load8_part(g + body, half - body, 0.0f),
+                                        load8_part(u + body, half - body, 0.0f)),
+                    half - body);
+      }
+    }
+  });
+  return out;
+}
+
+// ---- paged attention --------------------------------------------------------------------
+//
+// For each query (its sequence, its position p, its q head) the keys are positions 0..p of
+// its sequence, visited in increasing position whatever the cache's block size:
+//   s_j = dot(q * scale, k_j)         8 partials over the head dim, then combine()
+//   m = max_j s_j;  e_j = exp(s_j - m);  sum_e: 8 partials over j, then combine()
+//   out = (sum_j e_j * v_j) / sum_e   per head-dim element, fma8 in increasing j
+// Every order is a function of (head dim, p + 1). A decode query and the same position in a
+// prefill, alone or in a batch, chunked or not, read the same keys in the same order.
+
+struct PagedArgs {
+  const float* q;         // [T, Hq, D], scaled
+  const void* k_cache;    // [NB, BS, Hkv, D]
+  const void* v_cache;
+  const int32_t* tables;  // [B, max_blocks]
+  int64_t max_blocks, block_size, hkv, hq, d;
+  float* out;             // [T, Hq, D]
+};
+
+template <typename TC>
+DETGATE_INLINE float dot_head(const float* q, const TC* k, int64_t d) {
+  vf8 s = splat(0.0f);
+  const int64_t body = d - d % L;
+  for (int64_t i = 0; i < body; i += L) s = fma8(load8(q + i), load8(k + i), s);
+  if (body < d) s = fma8(load8_part(q + body, d - body, 0.0f), load8_part(k + body, d - body, 0.0f), s);
+  return combine(s);
+}
+
+// The q heads of kv head h for one query token with `len` visible keys; scratch >= len.
+template <typename TC>
+void attend(const PagedArgs& p, int64_t b, int64_t token, int64_t len, int64_t h,
+            float* scratch) {
+  const TC* kc = static_cast<const TC*>(p.k_cache);
+  const TC* vc = static_cast<const TC*>(p.v_cache);
+  const int64_t group = p.hq / p.hkv, d = p.d, row = p.hkv * d;
+  const int32_t* table = p.tables + b * p.max_blocks;
+  auto slot = [&](int64_t j) { return table[j / p.block_size] * p.block_size + j % p.block_size; };
+  const int64_t body = d - d % L;
+  for (int64_t g = 0; g < group; ++g) {
+    const int64_t head = h * group + g;
+    const float* q = p.q + (token * p.hq + head) * d;
+    for (int64_t j = 0; j < len; ++j) scratch[j] = dot_head(q, kc + slot(j) * row + h * d, d);
+    const float m = max_of(scratch, len);
+    const float total = exp_sum(scratch, len, m, scratch);
+    float* o = p.out + (token * p.hq + head) * d;
+    for (int64_t i = 0; i < body; i += L) {
+      vf8 acc = splat(0.0f);
+      for (int64_t j = 0; j < len; ++j) {
+        acc = fma8(splat(scratch[j]), load8(vc + slot(j) * row + h * d + i), acc);
+      }
+      acc = acc / total;
+      std::memcpy(o + i, &acc, sizeof acc);
+    }
+    if (body < d) {
+      vf8 acc = splat(0.0f);
+      for (int64_t j = 0; j < len; ++j) {
+        acc = fma8(splat(scratch[j]), load8_part(vc + slot(j) * row + h * d + body, d - body, 0.0f), acc);
+      }
+      store8_part(o + body, acc / total, d - body);
+    }
+  }
+}
+
+// q [T, Hq, D] fp32 (already scaled), caches [NB, BS, Hkv, D] fp32 or bf16, block_tables
+// [B, max_blocks] int32, query_start_loc [B + 1] int32, seq_lens [B] int32 -> [T, Hq, D] fp32.
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                              const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                              const torch::Tensor& query_start_loc,
+                              const torch::Tensor& seq_lens) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(),
+              "paged_attention: q [T, Hq, D] contiguous fp32 expected");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (k_cache.scalar_type() == torch::kFloat32 ||
+                   k_cache.scalar_type() == torch::kBFloat16),
+              "paged_attention: contiguous fp32 or bf16 caches expected");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous() &&
+                  query_start_loc.scalar_type() == torch::kInt32 &&
+                  seq_lens.scalar_type() == torch::kInt32,
+              "paged_attention: int32 block_tables, query_start_loc and seq_lens expected");
+  const int64_t hq = q.size(1), d = q.size(2), hkv = k_cache.size(2);
+  auto out = torch::empty_like(q);
+  const auto qsl = query_start_loc.contiguous();
+  const auto lens = seq_lens.contiguous();
+  const int32_t* starts = qsl.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  const int64_t batch = lens.size(0), tokens = q.size(0);
+  // Each query token's sequence and visible key count.
+  std::vector<int64_t> seq_of(tokens, -1), keys(tokens, 0);
+  int64_t longest = 1;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t qlen = starts[b + 1] - starts[b];
+    TORCH_CHECK(starts[b] >= 0 && qlen >= 0 && starts[b + 1] <= tokens && qlen <= lp[b],
+                "paged_attention: query_start_loc and seq_lens disagree");
+    for (int64_t j = 0; j < qlen; ++j) {
+      seq_of[starts[b] + j] = b;
+      keys[starts[b] + j] = lp[b] - qlen + j + 1;
+      longest = std::max(longest, keys[starts[b] + j]);
+    }
+  }
+  const PagedArgs args{q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(),
+                       block_tables.data_ptr<int32_t>(), block_tables.size(1),
+                       k_cache.size(1), hkv, hq, d, out.data_ptr<float>()};
+  const bool bf16 = k_cache.scalar_type() == torch::kBFloat16;
+  at::parallel_for(0, tokens * hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(longest);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t token = i / hkv, h = i % hkv;
+      if (seq_of[token] < 0) continue;  // a padding token of no sequence: left unwritten
+      if (bf16) {
+        attend<uint16_t>(args, seq_of[token], token, keys[token], h, scratch.data());
+      } else {
+        attend<float>(args, seq_of[token], token, keys[token], h, scratch.data());
+      }
+    }
+  });
+  return out;
+}
+
+std::string isa() {
+#if defined(__AVX2__) && defined(__FMA__)
+  return "x86-64 avx2+fma";
+#elif defined(__aarch64__)
+  return "aarch64 neon";
+#elif defined(__x86_64__)
+  return "x86-64 baseline";
+#else
+  return "portable";
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "detgate's batch-invariant CPU kernels (the argument is at the top of the source)";
+  m.def("matmul", &matmul, "a [M, K] fp32 x w [N, K] fp32|bf16 -> [M, N] fp32");
+  m.def("inv_rms", &inv_rms, "x [R, H] fp32 -> 1 / sqrt(mean(x^2) + eps), [R]");
+  m.def("log_softmax", &log_softmax, "x [R, V] fp32 -> log_softmax over V, fp32");
+  m.def("silu_and_mul", &silu_and_mul, "x [R, 2I] fp32 -> silu(x[:, :I]) * x[:, I:]");
+  m.def("paged_attention", &paged_attention, "causal GQA attention over a paged KV cache");
+  m.def("isa", &isa, "the instruction set this build uses");
+}
