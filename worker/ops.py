@@ -4,10 +4,10 @@ Only matmul, RMSNorm, attention and log_softmax reduce, and SwiGLU's silu is the
 transcendental pointwise op (torch computes exp in its vectorised loop body and libm's in the
 scalar tail, which can differ by an ulp, and where a row falls depends on the batch);
 everything else in the decoder is a gather or one IEEE +, * or rounding per element, which
-gives the same bits in any loop, so it is batch-invariant already. `make_ops("default")` uses plain torch:
-fast, but its reduction order may depend on how many rows are in the batch.
-`make_ops("batch_invariant")` routes every reduction through `kernels`, whose results for one
-row never depend on the rest of the batch.
+gives the same bits in any loop, so it is batch-invariant already. `make_ops("default")` uses
+plain torch: fast, but its reduction order may depend on how many rows are in the batch.
+`make_ops("batch_invariant")` routes those ops through `kernels`, whose results for one row
+never depend on the rest of the batch.
 """
 
 from __future__ import annotations
