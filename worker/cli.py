@@ -34,6 +34,9 @@ def register(sub) -> None:
     _add_engine_args(p, model="smollm2-135m-instruct")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9001)
+    p.add_argument("--skip-self-check", action="store_true",
+                   help="batch_invariant on the CPU: serve without first checking the kernels' "
+                        "invariance on the model's shapes (for experts)")
     p.set_defaults(func=lambda args: __import__("worker.server", fromlist=["main"]).main(args))
 
     p = sub.add_parser("prepare-model", help="make --model's checkpoint folder ready (a GGUF is "

@@ -30,6 +30,8 @@ class EngineConfig:
     max_n: int = 16
     # CUDA only: run every step eagerly instead of replaying decode steps from CUDA graphs.
     enforce_eager: bool = False
+    # batch_invariant on the CPU: check the kernels' invariance on the model's shapes first.
+    self_check: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -55,6 +57,8 @@ class EngineConfig:
                   if getattr(args, name, None) is not None}
         if getattr(args, "no_prefix_cache", False):
             values["enable_prefix_cache"] = False
+        if getattr(args, "skip_self_check", False):
+            values["self_check"] = False
         return cls(**values)
 
 

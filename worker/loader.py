@@ -80,9 +80,25 @@ def fingerprint_parts(
         "torch": torch.__version__,
         "triton": _version("triton"),
         "kernels_sha256": _kernels_sha256(),
-        # CPU matmuls may split work by thread count; record it with the rest.
+        # Default mode's MKL calls and the sampler's torch ops may split work by thread count.
         "torch_threads": str(torch.get_num_threads()),
+        **(_cpu_parts() if device.type == "cpu" else {}),
     }
+
+
+def _cpu_parts() -> dict[str, str]:
+    """What the CPU kernels' bits could depend on beyond their source: the build in use (its
+    instruction set; by their argument it changes no bit, but a claim is only as good as its
+    check) and the C library, whose logf runs once per log_softmax row."""
+    import platform
+
+    from kernels.cpu_ext import BuildError, load
+
+    try:
+        build = load().isa()
+    except BuildError:
+        build = "not built"
+    return {"cpu_kernels": build, "libc": " ".join(platform.libc_ver())}
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -160,12 +176,13 @@ def _files_sha256(files: list[Path]) -> str:
 
 
 def _kernels_sha256() -> str:
-    """Kernel tile sizes and split sizes live in the kernels' source: hash all of it."""
+    """Kernel tile sizes, split sizes and reduction orders live in the kernels' source (Python,
+    Triton and C++): hash all of it."""
     import kernels
 
     root = Path(kernels.__file__).parent
     digest = hashlib.sha256()
-    for src in sorted(root.rglob("*.py")):
+    for src in sorted([*root.rglob("*.py"), *root.rglob("*.cpp")]):
         digest.update(src.relative_to(root).as_posix().encode() + b"\0" + src.read_bytes())
     return digest.hexdigest()
 

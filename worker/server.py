@@ -49,6 +49,10 @@ def create_app(config: EngineConfig) -> FastAPI:
         path = await asyncio.to_thread(resolve_model, config.model)
         loaded = await asyncio.to_thread(load, path, dtype=config.dtype, device=config.device,
                                          mode=config.mode)
+        if config.mode == "batch_invariant" and config.device == "cpu" and config.self_check:
+            from worker.invariance_check import check
+
+            await asyncio.to_thread(check, loaded)
         engine = Engine(config, loaded.model, loaded.config)
         metrics = WorkerMetrics()
         metrics.bind(engine)
