@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import json
 import os
 import shutil
 import sys
@@ -50,16 +51,16 @@ class ModelUnavailable(FileNotFoundError):
     """`--model` names nothing this machine has; the message says what to install or pass."""
 
 
-def resolve_model(name_or_path: str, *, announce: bool = True) -> Path:
+def resolve_model(name_or_path: str) -> Path:
     """The checkpoint folder for `--model`, preparing it on first use."""
     from worker.make_model import PRESETS
     from worker.make_model import resolve_model as resolve_preset
 
     if name_or_path in PACKAGED:
-        return prepared_folder(packaged_file(PACKAGED[name_or_path]), name_or_path, announce)
+        return prepared_folder(packaged_file(PACKAGED[name_or_path]), name_or_path)
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return prepared_folder(path, path.stem, announce)
+        return prepared_folder(path, path.stem)
     if (path / "config.json").exists() or name_or_path in PRESETS:
         return resolve_preset(name_or_path)
     raise ModelUnavailable(
@@ -81,7 +82,7 @@ def packaged_file(model: PackagedModel) -> Path:
     return path
 
 
-def prepared_folder(gguf_path: Path, label: str, announce: bool = True) -> Path:
+def prepared_folder(gguf_path: Path, label: str) -> Path:
     from detgate.up import state_dir
 
     digest = _sha256(gguf_path)
@@ -93,11 +94,10 @@ def prepared_folder(gguf_path: Path, label: str, announce: bool = True) -> Path:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     try:
-        progress = progress_line(f"preparing {label} (first start only): dequantising "
-                                 f"{gguf_path.name}") if announce else None
-        convert(gguf_path, tmp, progress)
-        (tmp / "source.json").write_text(
-            f'{{"gguf": "{gguf_path.name}", "sha256": "{digest}"}}\n')
+        convert(gguf_path, tmp, progress_line(f"preparing {label} (first start only): "
+                                              f"dequantising {gguf_path.name}"))
+        source = {"gguf": gguf_path.name, "sha256": digest, "gguf_version": _version("gguf")}
+        (tmp / "source.json").write_text(json.dumps(source) + "\n")
         os.rename(tmp, folder)
     except OSError:
         if not (folder / "config.json").exists():
@@ -105,6 +105,13 @@ def prepared_folder(gguf_path: Path, label: str, announce: bool = True) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
 
 
 def _sha256(path: Path) -> str:
