@@ -15,8 +15,11 @@ from safetensors.torch import load_file
 from tokenizers import pre_tokenizers
 
 from worker.config import ModelConfigError
+from worker.engine import Engine
+from worker.engine_config import EngineConfig
 from worker.gguf_checkpoint import convert
 from worker.loader import load
+from worker.sequence import SamplingParams
 
 T = gguf.GGMLQuantizationType
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 64, 128, 2, 4, 2, 16
@@ -36,8 +39,9 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def hf_tensors(vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """Hugging Face names -> float32 values of a small decoder."""
+def hf_tensors(vocab: int, arch: str = "llama", seed: int = 0) -> dict[str, np.ndarray]:
+    """Hugging Face names -> float32 values of a small decoder (Qwen2 with q/k/v biases, Qwen3
+    with q/k norms)."""
     rng = np.random.default_rng(seed)
     out = {"model.embed_tokens.weight": rng.standard_normal((vocab, HIDDEN)),
            "model.norm.weight": 1 + 0.1 * rng.standard_normal(HIDDEN)}
@@ -54,6 +58,12 @@ def hf_tensors(vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
             p + "mlp.up_proj.weight": rng.standard_normal((FFN, HIDDEN)),
             p + "mlp.down_proj.weight": rng.standard_normal((HIDDEN, FFN)),
         }
+        if arch == "qwen2":
+            out |= {p + f"self_attn.{x}_proj.bias": rng.standard_normal(n * HEAD_DIM)
+                    for x, n in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS))}
+        if arch == "qwen3":
+            out |= {p + f"self_attn.{x}_norm.weight": 1 + 0.1 * rng.standard_normal(HEAD_DIM)
+                    for x in ("q", "k")}
     return {k: (0.05 * v if v.ndim == 2 else v).astype(np.float32) for k, v in out.items()}
 
 
@@ -62,7 +72,8 @@ GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight",
               "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
               "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
-              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 
 
 def gguf_name(hf: str) -> str:
@@ -107,7 +118,7 @@ def write_gguf(path: Path, qtype: T = T.F32, arch: str = "llama", tokenizer_mode
     w.add_add_bos_token(False)
     w.add_chat_template(TEMPLATE)
     expected = {}
-    for name, values in hf_tensors(len(tokens)).items():
+    for name, values in hf_tensors(len(tokens), arch).items():
         q = qtype if values.ndim == 2 else T.F32
         stored = values
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
@@ -151,14 +162,10 @@ def test_architectures_load_and_run(tmp_path, arch):
     assert config["architectures"] == [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                                         "qwen3": "Qwen3ForCausalLM"}[arch]]
     assert config["max_position_embeddings"] == 256 and config["tie_word_embeddings"]
-    if arch == "qwen2":  # this file has no q/k/v biases: the loader must not expect them
-        assert config["attention_bias"] is False
-    if arch == "qwen3":  # q_norm / k_norm are part of Qwen3; this file lacks them
-        with pytest.raises(Exception, match="missing"):
-            load(out, dtype="float32", device="cpu", mode="default")
-        return
+    assert config["attention_bias"] is (arch == "qwen2")
     loaded = load(out, dtype="bfloat16", device="cpu", mode="default")
     assert loaded.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert (loaded.model.model.layers[0].self_attn.q_norm is not None) is (arch == "qwen3")
     tok = loaded.tokenizer
     assert loaded.config.eos_token_ids == (2,) and loaded.config.max_position_embeddings == 256
     ids = tok.encode_chat([{"role": "user", "content": "the 42"}])
@@ -167,6 +174,14 @@ def test_architectures_load_and_run(tmp_path, arch):
     assert tok.encode("42", add_special_tokens=False) == [tok._tok.token_to_id("4"),
                                                           tok._tok.token_to_id("2")]
     assert tok.decode(tok.encode(" the he")) == " the he"
+    # And it generates (bfloat16, default mode): four tokens of the vocabulary.
+    engine = Engine(EngineConfig(model=str(out), mode="default", dtype="bfloat16",
+                                 num_kv_blocks=8, max_num_seqs=2), loaded.model, loaded.config)
+    engine.add("r", ids, SamplingParams(max_tokens=4, ignore_eos=True))
+    tokens = []
+    while engine.has_work():
+        tokens += [t.token_id for out in engine.step()[0] for t in out.new_tokens]
+    assert len(tokens) == 4 and all(0 <= t < len(_vocab()[0]) for t in tokens)
 
 
 def test_unsupported_architecture_is_named(tmp_path):
