@@ -129,6 +129,8 @@ def main(args) -> int:
     stack = Stack(logs)
     # SIGTERM is handled like Ctrl-C so that supervisors (and tests) stop the stack cleanly.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    # Ctrl-C even where SIGINT was ignored when we started (a background job of a script).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         redis_url = start_redis(stack, root / "redis")
         model = args.model

@@ -99,10 +99,10 @@ async def _ask_all(url: str) -> list[dict]:
         lp = choice["logprobs"]
         logprobs = (lp["token_logprobs"] if "token_logprobs" in lp
                     else [c["logprob"] for c in lp["content"]])
-        out.append({"prompt_ids": body.get("prompt_token_ids") or choice.get("prompt_token_ids"),
+        # Completions carry the prompt fields in the choice, chats in the response (as vLLM).
+        out.append({"prompt_ids": choice.get("prompt_token_ids") or body["prompt_token_ids"],
                     "token_ids": choice["token_ids"], "logprobs": logprobs,
-                    "prompt_logprobs": body.get("prompt_logprobs")
-                    or choice.get("prompt_logprobs")})
+                    "prompt_logprobs": choice.get("prompt_logprobs")})
     return out
 
 
@@ -205,7 +205,8 @@ def test_score_equals_sampled_logprobs(smollm2_worker, mode):
                 "temperature": 0, "logprobs": 0, "return_token_ids": True,
                 "ignore_eos": True})
             body = r.json()
-            prompt, choice = body["prompt_token_ids"], body["choices"][0]
+            choice = body["choices"][0]
+            prompt = choice["prompt_token_ids"]
             score = client.post(f"{url}/v1/score", json={
                 "model": MODEL, "token_ids": prompt + choice["token_ids"], "start": len(prompt)})
             traffic = [_chat(client, url, p, k) for p, k in _fillers(4, seed=3)]
