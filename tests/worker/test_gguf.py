@@ -254,3 +254,28 @@ def test_smollm2_tokenizer_matches_transformers(smollm2_gguf, smollm2_folder):
         messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert ours.eos_token_ids == [2] and ours.encode("<|im_end|>") == [2]
     assert ours.encode("2024") == [ours.encode(d)[0] for d in "2024"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["batch_invariant", "default"])
+def test_gguf_loads_and_generates_on_cuda(tmp_path, mode):
+    """The same loader on CUDA: bfloat16 weights on the GPU, logits close to the CPU's fp32."""
+    write_gguf(tmp_path / "m.gguf", T.Q4_0)
+    out = _mkdir(tmp_path / "hf")
+    convert(tmp_path / "m.gguf", out)
+    gpu = load(out, dtype="bfloat16", device="cuda", mode=mode)
+    cpu = load(out, dtype="float32", device="cpu", mode="default")
+    assert gpu.model.model.embed_tokens.weight.device.type == "cuda"
+    for loaded, device in ((gpu, "cuda"), (cpu, "cpu")):
+        engine = Engine(EngineConfig(model=str(out), mode=mode if device == "cuda" else "default",
+                                     device=device, dtype="bfloat16" if device == "cuda"
+                                     else "float32", num_kv_blocks=8, max_num_seqs=2,
+                                     enforce_eager=True), loaded.model, loaded.config)
+        engine.add("r", [5, 6, 7, 8, 9], SamplingParams(max_tokens=4, ignore_eos=True))
+        tokens = []
+        while engine.has_work():
+            tokens += [t.token_id for o in engine.step()[0] for t in o.new_tokens]
+        assert len(tokens) == 4
+    hidden_gpu = gpu.model.model.embed_tokens.weight.float().cpu()
+    assert torch.allclose(hidden_gpu, cpu.model.model.embed_tokens.weight, atol=2e-2)
