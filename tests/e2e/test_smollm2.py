@@ -114,6 +114,8 @@ def _log_softmax_at(logits: torch.Tensor, ids: list[int]) -> list[float]:
 @pytest.mark.parametrize("mode", MODES)
 def test_engine_matches_transformers(smollm2_worker, hf_model, hf_generate, mode):
     url = smollm2_worker(mode).url
+    # The context length is the GGUF's (llama.context_length).
+    assert httpx.get(f"{url}/v1/models").json()["data"][0]["max_model_len"] == 8192
     served = asyncio.run(_ask_all(url))
     worst = {"generate": 0.0, "prompt_logprobs": 0.0, "score": 0.0}
     for i, ours in enumerate(served):
