@@ -230,9 +230,8 @@ def run_all() -> dict:
 
 
 def main(args) -> int:
-    if not torch.cuda.is_available():
-        print("detgate bench kernels needs a CUDA device (the CPU kernels have their own tests).")
-        return 2
+    if getattr(args, "device", None) == "cpu" or not torch.cuda.is_available():
+        return import_module("kernels.cpu_bench").main(args)
     result = run_all()
     rows = result.pop("_rows")
     print_rows(rows)

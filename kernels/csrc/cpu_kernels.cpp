@@ -283,18 +283,19 @@ DETGATE_INLINE float max_of(const float* x, int64_t n) {
   return combine_max(m);
 }
 
-// e[i] = exp(x[i] - m) for i < n (e may be x); returns their sum.
+// sum of exp(x[i] - m) over i < n; with Store, also e[i] = exp(x[i] - m) (e may be x).
+template <bool Store>
 DETGATE_INLINE float exp_sum(const float* x, int64_t n, float m, float* e) {
   vf8 s = splat(0.0f);
   const int64_t body = n - n % L;
   for (int64_t i = 0; i < body; i += L) {
     const vf8 v = exp8(load8(x + i) - m);
-    std::memcpy(e + i, &v, sizeof v);
+    if (Store) std::memcpy(e + i, &v, sizeof v);
     s = s + v;
   }
   if (body < n) {  // padding is -inf: exp gives exactly 0
     const vf8 v = exp8(load8_part(x + body, n - body, -INFINITY) - m);
-    store8_part(e + body, v, n - body);
+    if (Store) store8_part(e + body, v, n - body);
     s = s + v;
   }
   return combine(s);
@@ -313,7 +314,7 @@ torch::Tensor log_softmax(const torch::Tensor& x) {
       const float* row = xp + r * ld;
       float* orow = op + r * v;
       const float m = max_of(row, v);
-      const float shift = m + std::log(exp_sum(row, v, m, orow));  // orow as scratch
+      const float shift = m + std::log(exp_sum<false>(row, v, m, nullptr));
       for (int64_t i = 0; i < v; ++i) orow[i] = row[i] - shift;
     }
   });
@@ -396,7 +397,7 @@ void attend(const PagedArgs& p, int64_t b, int64_t token, int64_t len, int64_t h
     const float* q = p.q + (token * p.hq + head) * d;
     for (int64_t j = 0; j < len; ++j) scratch[j] = dot_head(q, kc + slot(j) * row + h * d, d);
     const float m = max_of(scratch, len);
-    const float total = exp_sum(scratch, len, m, scratch);
+    const float total = exp_sum<true>(scratch, len, m, scratch);
     float* o = p.out + (token * p.hq + head) * d;
     for (int64_t i = 0; i < body; i += L) {
       vf8 acc = splat(0.0f);
