@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_launch import Launcher, Unsupported, raw_stream
+
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 BLOCK = 4096
 
@@ -41,13 +43,38 @@ def _log_softmax_kernel(x_ptr, out_ptr, V, stride_x, stride_out, BLOCK: tl.const
         tl.store(out_row + start + offs, x - lse, mask=mask)
 
 
+# (device, dtype, V, BLOCK) -> Launcher; the fast path takes contiguous rows, aligned.
+_LAUNCHERS: dict[tuple, Launcher | None] = {}
+
+
+def _launch_fast(rows: torch.Tensor, out: torch.Tensor, block: int, num_warps: int) -> bool:
+    n_rows, v = rows.shape
+    x_ptr = rows.data_ptr()
+    if x_ptr % 16 or rows.stride(0) != v:
+        return False
+    device = rows.get_device()
+    key = (device, rows.dtype, v, block)
+    launcher = _LAUNCHERS.get(key, False)
+    if launcher is False:
+        try:
+            launcher = Launcher(_log_softmax_kernel, (n_rows,), (rows, out, v, v, v, block),
+                                num_warps=num_warps)
+        except Unsupported:
+            launcher = None
+        _LAUNCHERS[key] = launcher
+    if launcher is None:
+        return False
+    launcher(n_rows, 1, 1, raw_stream(device), x_ptr, out.data_ptr(), v, v, v)
+    return True
+
+
 def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """log_softmax over `dim`, fp32 result (bf16/fp16 inputs are computed in fp32)."""
     if x.dtype not in _SUPPORTED:
         raise TypeError(f"log_softmax supports {_SUPPORTED}, got {x.dtype}")
     if x.dim() == 0:
         raise ValueError("log_softmax wants at least one dimension")
-    moved = x.movedim(dim, -1)
+    moved = x.movedim(dim, -1) if dim not in (-1, x.dim() - 1) else x
     rows = moved.reshape(-1, moved.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -55,6 +82,9 @@ def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     out = torch.empty((n_rows, v), dtype=torch.float32, device=x.device)
     if n_rows and v:
         block = min(BLOCK, triton.next_power_of_2(v))
-        _log_softmax_kernel[(n_rows,)](rows, out, v, rows.stride(0), out.stride(0),
-                                       BLOCK=block, num_warps=4 if block <= 1024 else 16)
-    return out.view(moved.shape).movedim(-1, dim)
+        num_warps = 4 if block <= 1024 else 16
+        if not (rows.is_cuda and _launch_fast(rows, out, block, num_warps)):
+            _log_softmax_kernel[(n_rows,)](rows, out, v, rows.stride(0), out.stride(0),
+                                           BLOCK=block, num_warps=num_warps)
+    out = out.view(moved.shape)
+    return out if moved is x else out.movedim(-1, dim)

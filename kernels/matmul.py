@@ -10,8 +10,11 @@ per-element chain is the same for every config of a dtype. That this holds on th
 checked bitwise, every config against every other on every projection shape, and over
 M = 1..8192 with the dispatch in force (tests/kernels/test_gpu_ops.py, bench/gpu_kernels.py).
 
-Two launch paths with the same reduction: a persistent kernel fed by TMA tensor descriptors
-(Hopper and later, 16-byte aligned operands) and a pointer kernel for everything else.
+Two kernels with the same reduction: a persistent kernel fed by TMA tensor descriptors
+(Hopper and later, 16-byte aligned operands; A and C by plain masked loads and stores below a
+few row tiles) and a pointer kernel for everything else. On CUDA the persistent kernel is
+launched through `kernels.triton_launch`: the weight's descriptor, the tile choice and the
+compiled kernel are kept per weight, so a call costs one allocation and one C launch.
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from kernels.triton_launch import Launcher, Unsupported, raw_stream
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -60,6 +64,8 @@ CONFIGS_16BIT = {
 }
 CONFIG_FP32 = TileConfig(64, 64, 4, 3, block_k=32)
 CONFIG_INTERPRETER = TileConfig(16, 32, 4, 1, block_k=32)
+# Row tiles from which A and C go through TMA descriptors (see `_a_desc`).
+DESC_MIN_TILES = 4
 
 # Fastest config per M bucket, measured on H200 (bench/gpu_kernels.py --tune, Qwen3-8B
 # projections, bench/results/kernels-h200-*.json): (N, K) -> ((M upper bound, config name), ...)
@@ -147,11 +153,13 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit
-def _matmul_tma_kernel(a_desc, b_desc, c_desc, bias_ptr, M, N, K, num_tiles, grid_size,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, B_IS_NK: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr):
+@triton.jit(do_not_specialize=["M", "num_tiles", "grid_size"])
+def _matmul_tma_kernel(a_desc, b_desc, c_desc, bias_ptr, M, N, K, stride_am, num_tiles,
+                       grid_size, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, B_IS_NK: tl.constexpr,
+                       A_DESC: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr):
+    # A_DESC: A and C are TMA descriptors; otherwise plain pointers (A rows stride_am apart,
+    # C rows N apart), read and written with row masks. B is always a descriptor.
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -159,21 +167,32 @@ def _matmul_tma_kernel(a_desc, b_desc, c_desc, bias_ptr, M, N, K, num_tiles, gri
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         # The K order: chunk 0, 1, ... k_tiles-1, one dot each, into the same accumulator.
-        # Out-of-range rows/columns/K are zero-filled by the descriptor.
+        # Out-of-range rows/columns/K are zero-filled by the descriptor or the load mask alike.
         for ki in range(k_tiles):
-            a = a_desc.load([off_m, ki * BLOCK_K])
+            if A_DESC:
+                a = a_desc.load([off_m, ki * BLOCK_K])
+            else:
+                offs_k = ki * BLOCK_K + tl.arange(0, BLOCK_K)
+                a = tl.load(a_desc + offs_m[:, None] * stride_am + offs_k[None, :],
+                            mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
             if B_IS_NK:
                 b = b_desc.load([off_n, ki * BLOCK_K]).T
             else:
                 b = b_desc.load([ki * BLOCK_K, off_n])
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
         if HAS_BIAS:
-            offs_n = off_n + tl.arange(0, BLOCK_N)
             bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
             acc = acc + bias.to(tl.float32)[None, :]
-        c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+        if A_DESC:
+            c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+        else:
+            tl.store(c_desc + offs_m[:, None] * N + offs_n[None, :],
+                     acc.to(c_desc.dtype.element_ty),
+                     mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
 @triton.jit
@@ -216,6 +235,11 @@ def _check(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> None:
         raise ValueError(f"bias must be [{b.shape[1]}] {a.dtype} on {a.device}")
 
 
+def clear_caches() -> None:
+    """Forget the per-weight launch state (after TUNED_16BIT changes)."""
+    _WEIGHTS.clear()
+
+
 def _tma_ok(t: torch.Tensor, strides: tuple[int, ...]) -> bool:
     size = t.element_size()
     return t.data_ptr() % 16 == 0 and all((s * size) % 16 == 0 for s in strides)
@@ -231,11 +255,145 @@ def _b_layout(b: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return b.contiguous(), False
 
 
+def _a_desc(m: int, cfg: TileConfig) -> bool:
+    """A and C through TMA descriptors from DESC_MIN_TILES row tiles up. Below that the
+    weights dominate: A is read with masked loads (TMA zero-fills rows past M far slower than
+    it streams the weights, and a padded copy of A costs a launch) and no descriptor has to
+    be encoded per call. The K order is the same either way."""
+    return m >= DESC_MIN_TILES * cfg.block_m
+
+
+class _Launch:
+    """One (weight, tile config, A path) on the fast path: the compiled kernel and every
+    argument that depends only on the weight, the bias and the tile choice."""
+
+    def __init__(self, a: torch.Tensor, bt: torch.Tensor, b_is_nk: bool,
+                 bias: torch.Tensor | None, cfg: TileConfig, a_desc: bool, info: DeviceInfo):
+        m, k = a.shape
+        n = bt.shape[0] if b_is_nk else bt.shape[1]
+        c = a.new_empty((m, n))
+        b_block = [cfg.block_n, cfg.block_k] if b_is_nk else [cfg.block_k, cfg.block_n]
+        b_desc = TensorDescriptor(bt, list(bt.shape), [bt.stride(0), 1], b_block)
+        a_arg = TensorDescriptor(a, [m, k], [k, 1], [cfg.block_m, cfg.block_k]) if a_desc else a
+        c_arg = TensorDescriptor(c, [m, n], [n, 1], [cfg.block_m, cfg.block_n]) if a_desc else c
+        self.launcher = Launcher(
+            _matmul_tma_kernel, (1,),
+            (a_arg, b_desc, c_arg, bias if bias is not None else c, m, n, k, k, 1, 1,
+             cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, b_is_nk, a_desc,
+             bias is not None, "ieee" if a.dtype == torch.float32 else "tf32"),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        self.b_args = tuple(self.launcher.descriptor_arg(1 if a_desc else 0, b_desc))
+        self.encode_a = self.launcher.encoder(0) if a_desc else None
+        self.encode_c = self.launcher.encoder(2) if a_desc else None
+        self.block_m = cfg.block_m
+        self.n_tiles = triton.cdiv(n, cfg.block_n)
+        self.max_programs = info.num_sms * cfg.ctas_per_sm
+
+
+class _Weight:
+    """What the fast path keeps per weight (and bias): nothing that holds the tensors."""
+
+    def __init__(self, bt: torch.Tensor, b_is_nk: bool, bias: torch.Tensor | None,
+                 info: DeviceInfo):
+        self.b_is_nk = b_is_nk
+        self.n, self.k = bt.shape if b_is_nk else (bt.shape[1], bt.shape[0])
+        self.dtype = bt.dtype
+        self.device = bt.get_device()
+        self.info = info
+        self.bias_ptr = bias.data_ptr() if bias is not None else 0
+        self.by_m: dict[int, _Launch] = {}
+        self.by_config: dict[tuple[TileConfig, bool], _Launch] = {}
+
+    def launch_for(self, a: torch.Tensor, bt: torch.Tensor, bias: torch.Tensor | None,
+                   m: int) -> _Launch:
+        cfg = pick_config(m, self.n, self.k, self.dtype, self.info)
+        key = (cfg, _a_desc(m, cfg))
+        launch = self.by_config.get(key)
+        if launch is None:
+            launch = _Launch(a, bt, self.b_is_nk, bias, cfg, key[1], self.info)
+            self.by_config[key] = launch
+        self.by_m[m] = launch
+        return launch
+
+
+# (weight data_ptr, shape, strides, dtype, bias data_ptr) -> _Weight, or None where the fast
+# path does not apply. Keyed by address, not by tensor: an entry holds no reference, and a
+# later tensor at the same address with the same shape and strides gets the same descriptor.
+_WEIGHTS: dict[tuple, _Weight | None] = {}
+_MAX_WEIGHTS = 4096
+
+
+def _weight_for(key: tuple, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
+                ) -> _Weight | None:
+    _check(a, b, bias)
+    info = device_info(b.get_device())
+    bt, b_is_nk = _b_layout(b)
+    ok = (info.capability >= (9, 0) and bt.data_ptr() == b.data_ptr()  # a view, not a copy
+          and a.dtype in (torch.bfloat16, torch.float16, torch.float32)
+          and _tma_ok(bt, (bt.stride(0),)) and (b.shape[1] * b.element_size()) % 16 == 0
+          and (bias is None or bias.data_ptr() % 16 == 0) and b.shape[0] > 0
+          and b.shape[1] > 0)
+    if len(_WEIGHTS) >= _MAX_WEIGHTS:
+        _WEIGHTS.clear()
+    weight = _Weight(bt, b_is_nk, bias, info) if ok else None
+    _WEIGHTS[key] = weight
+    return weight
+
+
+def _matmul_fast(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
+                 ) -> torch.Tensor | None:
+    """The CUDA launch with per-call host work cut to the bone; None where it does not apply
+    (the JIT path below then runs the same kernels)."""
+    if a.dim() != 2 or b.dim() != 2:
+        return None
+    key = (b.data_ptr(), b.shape, b.stride(), b.dtype,
+           bias.data_ptr() if bias is not None else 0)
+    weight = _WEIGHTS.get(key, False)
+    if weight is False:
+        weight = _weight_for(key, a, b, bias)
+    if weight is None:
+        return None
+    m, k = a.shape
+    a_ptr = a.data_ptr()
+    if (k != weight.k or a.dtype != weight.dtype or m == 0 or a_ptr % 16
+            or a.stride(1) != 1 or (m > 1 and a.stride(0) != k)
+            or a.get_device() != weight.device):
+        return None
+    launch = weight.by_m.get(m)
+    if launch is None:
+        bt, _ = _b_layout(b)
+        try:
+            launch = weight.launch_for(a, bt, bias, m)
+        except Unsupported:
+            _WEIGHTS[key] = None
+            return None
+    n = weight.n
+    c = a.new_empty((m, n))
+    c_ptr = c.data_ptr()
+    num_tiles = triton.cdiv(m, launch.block_m) * launch.n_tiles
+    grid = min(num_tiles, launch.max_programs)
+    bias_ptr = weight.bias_ptr or c_ptr
+    stream = raw_stream(weight.device)
+    if launch.encode_a is None:
+        launch.launcher(grid, 1, 1, stream, a_ptr, *launch.b_args, c_ptr, bias_ptr, m, n, k, k,
+                        num_tiles, grid)
+    else:
+        launch.launcher(grid, 1, 1, stream, *launch.encode_a(a_ptr, [m, k], [k, 1]),
+                        *launch.b_args, *launch.encode_c(c_ptr, [m, n], [n, 1]), bias_ptr,
+                        m, n, k, k, num_tiles, grid)
+    return c
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
-           config: TileConfig | None = None) -> torch.Tensor:
+           config: TileConfig | None = None, a_desc: bool | None = None) -> torch.Tensor:
     """a [M, K] @ b [K, N] (+ bias [N]) -> [M, N] in a's dtype; rows independent of M.
 
-    `config` overrides the tile choice (benchmarks and invariance checks only)."""
+    `config` overrides the tile choice and `a_desc` the A path (benchmarks and invariance
+    checks only: both go through the JIT launch)."""
+    if config is None and a_desc is None and a.is_cuda:
+        out = _matmul_fast(a, b, bias)
+        if out is not None:
+            return out
     _check(a, b, bias)
     m, k = a.shape
     n = b.shape[1]
@@ -252,31 +410,28 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     use_tma = (info.capability >= (9, 0) or info.capability == (0, 0)) and \
         _tma_ok(a, (a_stride0,)) and _tma_ok(bt, (bt.stride(0),)) and \
         (n * a.element_size()) % 16 == 0
-    # Decode: TMA fills rows past M with zeros far slower than it streams the weights, so it
-    # gets a whole tile of rows, zero-padded, instead. Each row still reduces alone.
-    rows = cfg.block_m if use_tma and m < cfg.block_m else m
-    if rows != m:
-        a, a_stride0 = F.pad(a, (0, 0, 0, rows - m)), k
-    c_full = torch.empty((rows, n), dtype=a.dtype, device=a.device)
-    bias_arg = bias if bias is not None else c_full
+    c = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    bias_arg = bias if bias is not None else c
     if use_tma:
-        a_desc = TensorDescriptor(a, [rows, k], [a_stride0, 1], [cfg.block_m, cfg.block_k])
+        desc = _a_desc(m, cfg) if a_desc is None else a_desc
         b_block = [cfg.block_n, cfg.block_k] if b_is_nk else [cfg.block_k, cfg.block_n]
-        b_desc = TensorDescriptor(bt, list(bt.shape), [bt.stride(0), 1], b_block)
-        c_desc = TensorDescriptor(c_full, [rows, n], [n, 1], [cfg.block_m, cfg.block_n])
-        num_tiles = triton.cdiv(rows, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+        b_arg = TensorDescriptor(bt, list(bt.shape), [bt.stride(0), 1], b_block)
+        a_arg = TensorDescriptor(a, [m, k], [a_stride0, 1], [cfg.block_m, cfg.block_k]) \
+            if desc else a
+        c_arg = TensorDescriptor(c, [m, n], [n, 1], [cfg.block_m, cfg.block_n]) if desc else c
+        num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
         grid = min(num_tiles, info.num_sms * cfg.ctas_per_sm)
         _matmul_tma_kernel[(grid,)](
-            a_desc, b_desc, c_desc, bias_arg, rows, n, k, num_tiles, grid,
+            a_arg, b_arg, c_arg, bias_arg, m, n, k, a_stride0, num_tiles, grid,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            B_IS_NK=b_is_nk, HAS_BIAS=bias is not None, PRECISION=precision,
+            B_IS_NK=b_is_nk, A_DESC=desc, HAS_BIAS=bias is not None, PRECISION=precision,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
         stride_bk, stride_bn = (bt.stride(1), bt.stride(0)) if b_is_nk else bt.stride()
         grid = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
         _matmul_ptr_kernel[(grid,)](
-            a, bt, c_full, bias_arg, m, n, k, a_stride0, 1, stride_bk, stride_bn, n, 1,
+            a, bt, c, bias_arg, m, n, k, a_stride0, 1, stride_bk, stride_bn, n, 1,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             HAS_BIAS=bias is not None, PRECISION=precision,
             num_warps=cfg.num_warps, num_stages=min(cfg.num_stages, 4))
-    return c_full[:m] if rows != m else c_full
+    return c

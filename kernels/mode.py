@@ -5,26 +5,45 @@ decompose into them), _log_softmax and mean.dim go to `kernels.matmul` / `kernel
 which dispatch by device (Triton on CUDA, the CPU implementation on CPU). Everything else runs
 unchanged. Leaving the context restores the normal kernels.
 
-The routing is a TorchDispatchMode rather than a process-wide `torch.library` registration:
-- it is re-entrant: while an override runs, the mode is off, so an implementation that itself
-  calls torch.mm (the CPU path does) reaches the real aten kernel instead of recursing;
-- it sees the ops under `torch.inference_mode()` too (it sits below autograd);
-- it is scoped to the thread that entered it and undone on exit, even by an exception.
+The routing is a `torch.library` registration of those five ops for the CPU and CUDA keys,
+made when the first thread enters the context and removed when the last one leaves. Only the
+routed ops pay for a Python call: a TorchDispatchMode would run Python for every op of the
+model (views, adds, rotary embeddings...), 3-4x an eager forward at small batch. Still:
+- it is scoped to the thread that entered it: other threads, and a routed op called while an
+  override runs (the CPU path may call torch.mm), reach the normal kernel (the op's out=
+  variant, a separate registration that this one does not replace), so nothing recurses;
+- it sees the ops under `torch.inference_mode()` too (they are registered below autograd);
+- it is undone on exit, even by an exception.
 Ops outside what the kernels accept (other dtypes, alpha/beta scaling folded in pointwise)
-still run in a batch-invariant way or fall through to aten unchanged.
+still run in a batch-invariant way or fall through to the normal kernel unchanged.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
+import warnings
 from collections.abc import Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _SUM_COLUMNS = 8
+_DEVICE_KEYS = ("CPU", "CUDA")
 aten = torch.ops.aten
+
+
+class _ThreadState(threading.local):
+    depth = 0  # contexts this thread is inside
+    routing = False  # depth > 0 and no override running on this thread
+
+
+_STATE = _ThreadState()
+_LOCK = threading.Lock()
+_library: torch.library.Library | None = None
+_threads_inside = 0
+# (length, device) -> ones [length, _SUM_COLUMNS] fp32, the right operand of every mean.
+_ONES: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
 def _kernels():
@@ -79,52 +98,99 @@ def _mean_dim(x: torch.Tensor, dim=None, keepdim: bool = False, dtype=None
     length = 1
     for d in dims:
         length *= x.shape[d]
-    rows = x.permute(*kept, *dims).reshape(-1, length).to(torch.float32)
+    trailing = dims == list(range(len(kept), x.dim()))
+    rows = (x if trailing else x.permute(*kept, *dims)).reshape(-1, length)
+    if rows.dtype != torch.float32:
+        rows = rows.to(torch.float32)
+    if not length:
+        return torch.full(_mean_shape(x, dims, kept, keepdim), float("nan"), dtype=out_dtype,
+                          device=x.device)
     # The sum of each row is a fp32 matmul with ones: one fixed K order per row, whatever the
     # number of rows. Eight columns, not one: a single column takes GEMV paths on CPU (not
     # invariant) and gives 4-byte output rows that TMA cannot address on GPU.
-    ones = torch.ones((length, _SUM_COLUMNS), dtype=torch.float32, device=x.device)
-    total = _kernels().matmul(rows, ones)[:, 0] if length else rows.new_zeros(rows.shape[0])
-    mean = (total / length).to(out_dtype)
-    shape = [1 if d in dims else x.shape[d] for d in range(x.dim())] if keepdim \
+    key = (length, x.device)
+    ones = _ONES.get(key)
+    if ones is None:
+        ones = _ONES[key] = torch.ones((length, _SUM_COLUMNS), dtype=torch.float32,
+                                       device=x.device)
+    total = _kernels().matmul(rows, ones)[:, 0]
+    mean = total / length
+    if mean.dtype != out_dtype:
+        mean = mean.to(out_dtype)
+    return mean.reshape(_mean_shape(x, dims, kept, keepdim))
+
+
+def _mean_shape(x: torch.Tensor, dims: list[int], kept: list[int], keepdim: bool) -> list[int]:
+    return [1 if d in dims else x.shape[d] for d in range(x.dim())] if keepdim \
         else [x.shape[d] for d in kept]
-    return mean.reshape(shape)
 
 
+def _empty(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return x.new_empty((0,), dtype=dtype or x.dtype)
+
+
+# op name -> (override, the normal kernel through the op's out= variant)
 _OVERRIDES = {
-    aten.mm.default: _mm,
-    aten.addmm.default: _addmm,
-    aten.bmm.default: _bmm,
-    aten._log_softmax.default: _log_softmax,
-    aten.mean.dim: _mean_dim,
+    "mm": (_mm, lambda a, b: aten.mm.out(a, b, out=_empty(a))),
+    "addmm": (_addmm, lambda bias, a, b, beta=1, alpha=1: aten.addmm.out(
+        bias, a, b, beta=beta, alpha=alpha, out=_empty(a))),
+    "bmm": (_bmm, lambda a, b: aten.bmm.out(a, b, out=_empty(a))),
+    "_log_softmax": (_log_softmax, lambda x, dim, half_to_float: aten._log_softmax.out(
+        x, dim, half_to_float, out=_empty(x, torch.float32 if half_to_float else x.dtype))),
+    "mean.dim": (_mean_dim, lambda x, dim=None, keepdim=False, dtype=None: aten.mean.out(
+        x, dim, keepdim, dtype=dtype, out=_empty(x, dtype))),
 }
 
 
-class BatchInvariantMode(TorchDispatchMode):
-    """Routes the reducing aten ops to the kernels API; everything else runs as usual."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        override = _OVERRIDES.get(func)
-        if override is not None:
-            out = override(*args, **kwargs)
+def _routed(override, normal):
+    def kernel(*args, **kwargs):
+        state = _STATE
+        if state.routing:
+            state.routing = False  # an op the override itself calls takes the normal kernel
+            try:
+                out = override(*args, **kwargs)
+            finally:
+                state.routing = True
             if out is not None:
                 return out
-            return func(*args, **kwargs)
-        # Under inference_mode, composite ops (linear, matmul, log_softmax.int, einsum...)
-        # arrive whole: decompose them, as autograd would, so their mm/addmm/_log_softmax
-        # come back through this mode.
-        with self:
-            out = func.decompose(*args, **kwargs)
-        return func(*args, **kwargs) if out is NotImplemented else out
+        return normal(*args, **kwargs)
+    return kernel
+
+
+def _register() -> torch.library.Library:
+    library = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():  # "overriding a previously registered kernel": intended
+        warnings.simplefilter("ignore")
+        for name, (override, normal) in _OVERRIDES.items():
+            for key in _DEVICE_KEYS:
+                library.impl(name, _routed(override, normal), key)
+    return library
 
 
 @contextlib.contextmanager
 def set_batch_invariant_mode(enabled: bool = True) -> Iterator[None]:
     """Context manager: inside it (if `enabled`), matmuls, log_softmax and mean are
     batch-invariant. `enabled=False` makes it a no-op, for the negative control."""
+    global _library, _threads_inside
     if not enabled:
         yield
         return
-    with BatchInvariantMode():
+    state = _STATE
+    if state.depth == 0:
+        with _LOCK:
+            if _threads_inside == 0:
+                _library = _register()
+            _threads_inside += 1
+    state.depth += 1
+    outer_routing, state.routing = state.routing, True
+    try:
         yield
+    finally:
+        state.routing = outer_routing
+        state.depth -= 1
+        if state.depth == 0:
+            with _LOCK:
+                _threads_inside -= 1
+                if _threads_inside == 0:
+                    _library._destroy()
+                    _library = None

@@ -103,6 +103,21 @@ def test_matmul_matches_reference_and_is_batch_invariant(dtype, b_layout):
     assert torch.equal(mm_mod.matmul(a[20:21], b, bias), out[20:21])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matmul_a_by_descriptor_or_by_pointer_gives_the_same_bits(dtype):
+    # Below DESC_MIN_TILES row tiles A is read with masked loads (no padded copy), from there
+    # through a TMA descriptor: the K order is the same, so the bits are too, on every M.
+    m, n, k = 4 * mm_mod.CONFIG_INTERPRETER.block_m + 3, 40, 64
+    a = _randn(m, k, dtype=dtype, seed=21)
+    w = _randn(n, k, dtype=dtype, seed=22)
+    bias = _randn(n, dtype=dtype, seed=23)
+    by_desc = mm_mod.matmul(a, w.t(), bias, a_desc=True)
+    assert torch.equal(mm_mod.matmul(a, w.t(), bias, a_desc=False), by_desc)
+    assert _rel_err(by_desc, reference.matmul(a, w.t(), bias)) < TOL[dtype]
+    for rows in (1, 15, 16, 17, m - 4, m - 3, m):
+        assert torch.equal(mm_mod.matmul(a[:rows], w.t(), bias), by_desc[:rows]), rows
+
+
 def test_matmul_uses_linear_weight_without_copy():
     w = _randn(64, 32, dtype=torch.bfloat16, seed=4)
     used, is_nk = mm_mod._b_layout(w.t())

@@ -1,0 +1,208 @@
+"""Eager launches: the kernels as users call them (host cost included) against torch, and the
+host cost of `kernels.set_batch_invariant_mode()` on a Hugging Face model, in one run.
+
+Run from the repository root on a CUDA machine (also `detgate bench kernels --eager`):
+    PYTHONPATH=. python bench/kernels_eager.py --json OUT.json [--skip-model]
+
+- matmul: `kernels.matmul(x, W.t())` against `F.linear(x, W)` (cuBLAS) on the same bf16
+  inputs, Qwen3-8B projections, M = 1..8192. "eager": CUDA events around CALLS back-to-back
+  calls after WARMUP, rotating weight copies (so the host must keep up with the GPU, as in an
+  eager forward); median of REPEATS. "graph": the same calls replayed from a CUDA graph
+  (kernels.bench.time_calls: launch cost out). Ratio = torch time / ours: above 1 we are
+  faster. Each row also says whether `kernels.matmul` is bitwise invariant over every M of
+  the list.
+- rms_norm, add_rms_norm, log_softmax: the same eager timing.
+- model: transformers' Qwen3 (8B widths, LAYERS layers, bf16, random weights, 64-token
+  sequences), eager forward with and without the mode at batch 1 / 8 / 64, and whether row 0
+  is bit-identical across batch sizes (with the mode it must be; without, the control).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable
+from importlib import import_module
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels import bench
+
+WARMUP, CALLS, REPEATS = 5, 30, 5
+LAYERS, SEQ = 4, 64
+MODEL_BATCHES = (1, 8, 64)
+
+
+def eager_us(call: Callable[[int], object], copies: int) -> float:
+    """Microseconds per call: CALLS eager calls between two CUDA events, median of REPEATS."""
+    for i in range(WARMUP):
+        call(i % copies)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(REPEATS):
+        start.record()
+        for i in range(CALLS):
+            call(i % copies)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / CALLS)
+    return statistics.median(times)
+
+
+def _pair(ours: Callable, ref: Callable, copies: int, out_bytes: int) -> dict:
+    row = {"eager_ours_us": eager_us(ours, copies), "eager_torch_us": eager_us(ref, copies),
+           "graph_ours_us": 1000 * bench.time_calls(ours, copies, out_bytes),
+           "graph_torch_us": 1000 * bench.time_calls(ref, copies, out_bytes)}
+    row["eager_ratio"] = row["eager_torch_us"] / row["eager_ours_us"]
+    row["graph_ratio"] = row["graph_torch_us"] / row["graph_ours_us"]
+    return row
+
+
+def matmul_rows(m_values=bench.M_VALUES) -> list[dict]:
+    rows = []
+    for name, (n, k) in bench.MATMUL_SHAPES.items():
+        weights = bench.matmul_weights(n, k)
+        x = torch.randn(max(m_values), k, device="cuda", dtype=torch.bfloat16)
+        full = kernels.matmul(x, weights[0].t())
+        for m in m_values:
+            a = x[:m]
+            row = {"op": "matmul", "shape": name, "n": n, "k": k, "m": m,
+                   **_pair(lambda i, a=a, ws=weights: kernels.matmul(a, ws[i].t()),
+                           lambda i, a=a, ws=weights: F.linear(a, ws[i]), len(weights), m * n * 2),
+                   "bitwise_equal_to_full_batch": torch.equal(
+                       kernels.matmul(a, weights[0].t()), full[:m])}
+            rows.append(row)
+            print(f"matmul {name:<13} M={m:<5} eager {row['eager_ratio']:5.2f}x "
+                  f"({row['eager_ours_us']:8.1f} vs {row['eager_torch_us']:8.1f} us)  graph "
+                  f"{row['graph_ratio']:5.2f}x  invariant {row['bitwise_equal_to_full_batch']}",
+                  flush=True)
+        del weights, x, full
+        torch.cuda.empty_cache()
+    return rows
+
+
+def norm_rows(m_values=(1, 8, 64, 512, 4096)) -> list[dict]:
+    rn = import_module("kernels.rmsnorm")
+    rows = []
+    w = torch.randn(bench.HIDDEN, device="cuda", dtype=torch.bfloat16)
+    for m in m_values:
+        nbytes = m * bench.HIDDEN * 2
+        xs = bench._randn_copies(m, bench.HIDDEN, torch.bfloat16, 2 * nbytes)
+        rs = bench._randn_copies(m, bench.HIDDEN, torch.bfloat16, 2 * nbytes)
+        c = len(xs)
+        rows.append({"op": "rms_norm", "m": m, **_pair(
+            lambda i, xs=xs: rn.rms_norm(xs[i], w, bench.EPS),
+            lambda i, xs=xs: F.rms_norm(xs[i], (bench.HIDDEN,), w, bench.EPS), c, nbytes)})
+        rows.append({"op": "add_rms_norm", "m": m, **_pair(
+            lambda i, xs=xs, rs=rs: rn.add_rms_norm(xs[i], rs[i], w, bench.EPS),
+            lambda i, xs=xs, rs=rs: bench._torch_add_rms_norm(
+                xs[i], rs[i], w, bench.EPS), c, 2 * nbytes)})
+    for m in m_values[:4]:
+        nbytes = m * bench.VOCAB * 4
+        xs = bench._randn_copies(m, bench.VOCAB, torch.float32, 2 * nbytes)
+        rows.append({"op": "log_softmax", "m": m, **_pair(
+            lambda i, xs=xs: kernels.log_softmax(xs[i], -1),
+            lambda i, xs=xs: torch.log_softmax(xs[i], -1), len(xs), nbytes)})
+    for r in rows:
+        print(f"{r['op']:<13} M={r['m']:<5} eager {r['eager_ratio']:5.2f}x "
+              f"({r['eager_ours_us']:7.1f} vs {r['eager_torch_us']:7.1f} us)  graph "
+              f"{r['graph_ratio']:5.2f}x", flush=True)
+    return rows
+
+
+def _forward_ms(model, ids: torch.Tensor, repeats: int = 10) -> float:
+    for _ in range(3):
+        model(ids)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        start.record()
+        model(ids)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _row0_identical(model, ids: torch.Tensor) -> dict[int, bool]:
+    alone = model(ids[:1]).logits[0]
+    return {b: torch.equal(model(ids[:b]).logits[0], alone) for b in (2, 8, 64)}
+
+
+def model_rows() -> dict:
+    import transformers
+
+    config = transformers.Qwen3Config(
+        hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, num_hidden_layers=LAYERS, vocab_size=151936,
+        max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
+    ids = torch.randint(0, config.vocab_size, (max(MODEL_BATCHES), SEQ), device="cuda")
+    result = {"model": f"Qwen3 (8B widths, {LAYERS} layers, bf16, random), {SEQ}-token rows",
+              "transformers": transformers.__version__,
+              "attn_implementation": model.config._attn_implementation, "batches": []}
+
+    with torch.inference_mode():
+        for b in MODEL_BATCHES:
+            plain = _forward_ms(model, ids[:b])
+            with kernels.set_batch_invariant_mode():
+                mode = _forward_ms(model, ids[:b])
+            result["batches"].append({"batch": b, "forward_ms_without_mode": plain,
+                                      "forward_ms_in_mode": mode, "overhead": mode / plain})
+            print(f"model batch {b:<3} without mode {plain:7.2f} ms  in mode {mode:7.2f} ms  "
+                  f"({mode / plain:.2f}x)", flush=True)
+        with kernels.set_batch_invariant_mode():
+            result["row0_bit_identical_in_mode"] = _row0_identical(model, ids)
+        result["row0_bit_identical_without_mode"] = _row0_identical(model, ids)
+    print("row 0 identical in mode:", result["row0_bit_identical_in_mode"],
+          "without:", result["row0_bit_identical_without_mode"], flush=True)
+    del model
+    torch.cuda.empty_cache()
+    return result
+
+
+def run(skip_model: bool = False) -> dict:
+    result = {**bench.environment(), "timing": {
+        "eager": f"CUDA events around {CALLS} back-to-back eager calls after {WARMUP} "
+                 f"warm-ups, median of {REPEATS}, rotating weight copies (host cost included)",
+        "graph": "median CUDA-graph replay of back-to-back calls (kernels.bench.time_calls)"}}
+    result["matmul"] = matmul_rows()
+    result["norms"] = norm_rows()
+    if not skip_model:
+        result["model"] = model_rows()
+    misses = [f"{r['shape']} M={r['m']}: eager {r['eager_ratio']:.2f}x"
+              for r in result["matmul"] if r["eager_ratio"] < 0.8]
+    result["summary"] = {
+        "eager_matmul_below_0.8": misses,
+        "matmul_not_invariant": [f"{r['shape']} M={r['m']}" for r in result["matmul"]
+                                 if not r["bitwise_equal_to_full_batch"]],
+        "model_overhead": {b["batch"]: round(b["overhead"], 3)
+                           for b in result.get("model", {}).get("batches", [])}}
+    print("summary:", json.dumps(result["summary"]), flush=True)
+    return result
+
+
+def main(args) -> int:
+    if not torch.cuda.is_available():
+        print("the eager kernel benchmark needs a CUDA device")
+        return 2
+    result = run(skip_model=args.skip_model)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--skip-model", action="store_true")
+    raise SystemExit(main(parser.parse_args()))
