@@ -9,15 +9,18 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
-from gateway import errors
+from gateway import errors, openapi
 from gateway.auth import Authenticator
 from gateway.config import Settings
 from gateway.forward import Forwarder
+from gateway.guard import OpenModeGuard
+from gateway.interrupts import Drain, Interrupts
 from gateway.metrics import Metrics, endpoint_label
 from gateway.recorder import Recorder
-from gateway.router import Router
+from gateway.router import Router, worker_name
 from gateway.routes import inference, ops, records, score, ui
 from gateway.services import Services
+from gateway.spool import Spool
 from gateway.upstream import Upstream
 
 
@@ -56,19 +59,29 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     if auth.open_mode and not settings.is_loopback():
         raise ValueError("DETGATE_API_KEYS is unset (open mode), which is allowed only on a "
                          f"loopback address, not {settings.host}")
-    metrics = Metrics(settings.workers)
+    metrics = Metrics([worker_name(url) for url in settings.workers])
+    interrupts = Interrupts()
+    drain = Drain(interrupts)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         upstream = Upstream(connect_timeout_s=settings.connect_timeout_s)
+        spool = Spool(settings.spool_path, settings.spool_max_bytes)
+        spool.open()
+        metrics.spool_records.set_function(lambda: spool.depth)
+        metrics.spool_bytes.set_function(lambda: spool.bytes)
         recorder = Recorder(settings.redis_url, prefix=settings.key_prefix,
                             ttl_s=settings.record_ttl_s, timeout_s=settings.redis_timeout_s,
-                            retry_after_s=settings.retry_after_s)
-        router = Router(settings.workers, upstream, metrics, labels=settings.worker_labels,
-                        probe_timeout_s=max(settings.connect_timeout_s, 10.0))
-        forwarder = Forwarder(router, upstream, metrics,
-                              attempt_timeout_s=settings.attempt_timeout_s)
-        svc = Services(settings, auth, metrics, upstream, recorder, router, forwarder)
+                            retry_after_s=settings.retry_after_s, spool=spool)
+        router = Router(settings.workers, upstream, metrics, interrupts,
+                        labels=settings.worker_labels,
+                        probe_timeout_s=max(settings.connect_timeout_s,
+                                            settings.health_timeout_s))
+        forwarder = Forwarder(router, upstream, metrics, interrupts,
+                              attempt_timeout_s=settings.attempt_timeout_s,
+                              first_byte_timeout_s=settings.first_byte_timeout_s)
+        svc = Services(settings, auth, metrics, upstream, recorder, router, forwarder,
+                       interrupts, drain)
         app.state.services = svc
         await recorder.ping()
         watchers = [asyncio.create_task(router.watch(settings.health_interval_s)),
@@ -84,11 +97,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="detgate gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
+    app.state.drain = drain  # serve.py begins it on SIGTERM
+    # `/v1/chat/completions/` is a 404, not a redirect built from the client's Host header.
+    app.router.redirect_slashes = False
     errors.install(app)
     app.router.routes.extend(inference.routes)
     app.router.routes.extend(score.routes)
     app.include_router(records.router)
     app.include_router(ops.router)
     app.router.routes.extend(ui.routes())
+    app.router.routes.append(openapi.route())
+    if auth.open_mode:
+        app.add_middleware(OpenModeGuard)
     app.add_middleware(ObserveRequests, metrics=metrics)
     return app

@@ -29,14 +29,23 @@ class Authenticator:
 
     @classmethod
     def from_pairs(cls, pairs: list[str]) -> Authenticator:
-        hashes = []
+        hashes: list[tuple[bytes, str]] = []
         for pair in pairs:
             tenant, sep, key = pair.partition(":")
-            if not sep or not key or not _TENANT.match(tenant):
-                # The pair itself may hold a secret: say which position, never the text.
-                raise ValueError(f"DETGATE_API_KEYS entry {len(hashes) + 1} is not tenant:key "
+            n = len(hashes) + 1
+            # The pair itself may hold a secret: say which position, never the text.
+            if not sep or not _TENANT.match(tenant):
+                raise ValueError(f"DETGATE_API_KEYS entry {n} is not tenant:key "
                                  "with a tenant of letters, digits, '_', '.', '-'")
-            hashes.append((key_hash(key), tenant))
+            if not key.strip() or key != key.strip():
+                raise ValueError(f"DETGATE_API_KEYS entry {n} has an empty key or one with "
+                                 "spaces around it")
+            digest = key_hash(key)
+            same = next((i + 1 for i, (d, _) in enumerate(hashes) if d == digest), None)
+            if same is not None:
+                # One key for two tenants would make the tenant depend on the entry order.
+                raise ValueError(f"DETGATE_API_KEYS entries {same} and {n} have the same key")
+            hashes.append((digest, tenant))
         return cls(tuple(hashes))
 
     @property

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
+from pathlib import Path
 from typing import Annotated
 
 from pydantic import Field, field_validator
@@ -48,9 +50,46 @@ class Settings(BaseSettings):
     max_score_tokens: int = Field(32768, gt=0)
     max_replay_load: int = Field(64, ge=0)
 
-    @field_validator("workers", "api_keys", mode="before")
+    # Durability: while Redis is unreachable, records are appended (fsynced) to a spool file
+    # under `spool_dir` and drained into Redis, in order, when it answers again. 0 disables it.
+    state_dir: Path = Field(default_factory=lambda: Path(
+        os.environ.get("DETGATE_STATE_DIR", Path.home() / ".cache" / "detgate")))
+    spool_dir: Path | None = None  # default: state_dir/spool
+    spool_max_bytes: int = Field(64 << 20, ge=0)
+
+    # The HTTP edge.
+    header_timeout_s: float = Field(10.0, gt=0)  # from connection (or first byte) to headers
+    body_timeout_s: float = Field(30.0, gt=0)  # to read a whole request body
+    keepalive_timeout_s: float = Field(5.0, gt=0)  # an idle keep-alive connection is closed
+    max_header_bytes: int = Field(32 << 10, ge=1024)  # request line plus headers
+    max_connections: int = Field(1000, ge=1)  # more are answered 503 and closed
+
+    # On SIGTERM: stop accepting, let requests finish for this long, then abort the rest.
+    shutdown_grace_s: float = Field(30.0, ge=0)
+    # A worker must start answering (stream: its first event) within this; the whole answer
+    # has `attempt_timeout_s`.
+    first_byte_timeout_s: float = Field(30.0, gt=0)
+    health_timeout_s: float = Field(10.0, gt=0)
+
+    @property
+    def spool_path(self) -> Path:
+        return (self.spool_dir or self.state_dir / "spool") / f"records-{self.key_prefix}.jsonl"
+
+    @field_validator("workers", mode="before")
     @classmethod
     def _comma_list(cls, value: object) -> object:
+        return _split_commas(value)
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _key_list(cls, value: object) -> object:
+        # Set but blank ("" or spaces) is open mode; an empty entry inside a list ("a:k,,",
+        # ",") is a mistake that must not quietly open the gateway or drop a tenant.
+        if isinstance(value, str) and value.strip():
+            parts = [part.strip() for part in value.split(",")]
+            if not all(parts):
+                raise ValueError("DETGATE_API_KEYS has an empty entry")
+            return parts
         return _split_commas(value)
 
     @field_validator("worker_labels", mode="before")

@@ -57,6 +57,12 @@ class Conflict(GatewayError):
     code = "no_matching_worker"
 
 
+class RequestTimeout(GatewayError):
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
 class PayloadTooLarge(GatewayError):
     status = 413
     type = "invalid_request_error"
@@ -90,6 +96,14 @@ class NoWorker(GatewayError):
     status = 503
     type = "service_unavailable"
     code = "no_healthy_worker"
+
+
+class ShuttingDown(GatewayError):
+    """The gateway is stopping: a new request, or one still running when the grace ended."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "shutting_down"
 
 
 class RecorderUnavailable(GatewayError):
@@ -127,7 +141,9 @@ def install(app: FastAPI) -> None:
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
         body = error_body(str(exc.detail), type_)
-        return Response(body, status_code=exc.status_code, media_type="application/json")
+        # Starlette's 405 names the allowed methods in `Allow`: keep it.
+        return Response(body, status_code=exc.status_code, media_type="application/json",
+                        headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:

@@ -1,7 +1,8 @@
 """The gateway's Prometheus metrics, exactly as the contract names them, in one registry per app.
 
 Labels come from small fixed sets: endpoint templates, HTTP status codes, configured worker
-URLs, record and replay results. Never a request id, key or prompt.
+names (URLs without user-info), record and replay results. Never a request id, key, password
+or prompt.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ DIVERGENCE_BUCKETS = (0, 1, *(2 ** e for e in range(1, 13)))  # 0, 1, 2, 4, ... 
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/score", "/v1/models",
              "/v1/requests", "/v1/requests/{id}", "/replay/{id}", "/metrics", "/healthz",
-             "/readyz")
+             "/readyz", "/openapi.json")
 
 
 def endpoint_label(path: str) -> str:
@@ -63,16 +64,21 @@ class Metrics:
             buckets=DIVERGENCE_BUCKETS, registry=r)
         self.worker_up = Gauge("detgate_worker_up", "1 when the worker passes health checks",
                                ["worker"], registry=r)
+        self.spool_records = Gauge("detgate_spool_records",
+                                   "Records in the on-disk spool, waiting for Redis", registry=r)
+        self.spool_bytes = Gauge("detgate_spool_bytes", "Size of the on-disk record spool",
+                                 registry=r)
         self.worker_inflight = Gauge("detgate_worker_inflight", "Requests outstanding per worker",
                                      ["worker"], registry=r)
         self._request_children: dict[tuple[str, int], tuple] = {}
         self._upstream_children: dict[str, Histogram] = {}
         self.records_stored = self.records.labels("stored")
         self.records_failed = self.records.labels("failed")
+        self.records_spooled = self.records.labels("spooled")  # durable, not yet in Redis
         for label in ("match", "diverged", "error"):
             self.replays.labels(label)
-        for url in workers:
-            self.worker_up.labels(url).set(0)
+        for name in workers:
+            self.worker_up.labels(name).set(0)
 
     def observe_request(self, endpoint: str, status: int, elapsed_s: float,
                         upstream_s: float | None) -> None:

@@ -3,9 +3,11 @@
 Floats are written by orjson, which prints the shortest text that parses back to the same
 double, and read back by orjson: a logprob's bits survive the round trip unchanged.
 
-Availability: a failed Redis call marks the recorder down, so new inference requests are
-refused (503 + Retry-After) before any work; a background ping marks it up again, and
-redis-py's pool reconnects by itself, so no restart is needed.
+Availability: a failed Redis call marks the recorder down; while it is down (or while spooled
+records wait to be drained) records go to the on-disk spool (gateway/spool.py), so an outage
+costs no answers. Only when the spool is full or unwritable too are new inference requests
+refused (503 + Retry-After) before any work. A background ping marks Redis up again and
+drains the spool into it in order; redis-py's pool reconnects by itself.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import orjson
 import redis.asyncio as aioredis
@@ -22,6 +25,7 @@ from redis.exceptions import RedisError
 
 from gateway.errors import RecorderUnavailable
 from gateway.keys import Keys
+from gateway.spool import Spool, SpoolFull
 
 log = logging.getLogger("detgate.gateway")
 
@@ -47,7 +51,8 @@ class Recorder:
     max_scan = 2000  # records one filtered listing page may examine
 
     def __init__(self, url: str, *, prefix: str, ttl_s: int, timeout_s: float,
-                 retry_after_s: int, max_connections: int = 64) -> None:
+                 retry_after_s: int, spool: Spool | None = None,
+                 max_connections: int = 64) -> None:
         # A blocking pool: under a burst, requests wait for a connection instead of failing
         # with "too many connections" (which would read as Redis being down).
         pool = aioredis.BlockingConnectionPool.from_url(
@@ -57,6 +62,7 @@ class Recorder:
         self.keys = Keys(prefix)
         self.ttl_s = ttl_s
         self.retry_after_s = retry_after_s
+        self.spool = spool or Spool(Path(), 0)  # without one: a Redis outage answers 503
         self.up = True
 
     def _unavailable(self, exc: Exception | None = None) -> RecorderUnavailable:
@@ -67,8 +73,12 @@ class Recorder:
         return RecorderUnavailable("the request store is unavailable; retry shortly",
                                    headers={"Retry-After": str(self.retry_after_s)})
 
+    def can_record(self) -> bool:
+        """A record made now would be durable: Redis takes it, or the spool has room."""
+        return (self.up and not self.spool.entries) or self.spool.has_room()
+
     def ensure_up(self) -> None:
-        if not self.up:
+        if not self.can_record():
             raise self._unavailable()
 
     async def ping(self) -> bool:
@@ -83,26 +93,46 @@ class Recorder:
         return True
 
     async def watch(self, interval_s: float) -> None:
-        """Background task: keep `up` true to Redis' state."""
+        """Background task: keep `up` true to Redis' state; drain the spool when it is up."""
         while True:
-            await asyncio.sleep(interval_s if self.up else min(interval_s, 0.25))
-            await self.ping()
+            busy = not self.up or self.spool.entries
+            await asyncio.sleep(min(interval_s, 0.25) if busy else interval_s)
+            if await self.ping() and self.spool.entries:
+                try:
+                    await self.spool.drain(self._write)
+                except (RedisError, OSError) as exc:
+                    self._unavailable(exc)
 
-    async def save(self, tenant: str, record: dict) -> None:
-        """Write a record and index it, in one MULTI/EXEC."""
-        idx = self.keys.index(tenant)
-        created = record["created"]
+    async def save(self, tenant: str, record: dict) -> bool:
+        """Make a record durable: in Redis, or (Redis down, or spooled records still waiting,
+        which keeps their order) in the spool. True when spooled; RecorderUnavailable when
+        neither can take it."""
+        if self.up and not self.spool.entries:
+            try:
+                await self._write(tenant, record)
+                return False
+            except (RedisError, OSError) as exc:
+                self._unavailable(exc)
         try:
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.set(self.keys.record(tenant, record["id"]), dumps(record), ex=self.ttl_s)
-                pipe.zadd(idx, {record["id"]: created})
-                pipe.expire(idx, self.ttl_s)
-                await pipe.execute()
-        except (RedisError, OSError) as exc:
-            raise self._unavailable(exc) from exc
+            await self.spool.append(tenant, record)
+        except SpoolFull as exc:
+            raise self._unavailable() from exc
+        return True
+
+    async def _write(self, tenant: str, record: dict) -> None:
+        """Write a record and index it, in one MULTI/EXEC (idempotent: a retry rewrites it)."""
+        idx = self.keys.index(tenant)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.set(self.keys.record(tenant, record["id"]), dumps(record), ex=self.ttl_s)
+            pipe.zadd(idx, {record["id"]: record["created"]})
+            pipe.expire(idx, self.ttl_s)
+            await pipe.execute()
 
     async def get(self, tenant: str, record_id: str) -> tuple[dict, int] | None:
         """The record with its replays, and its remaining lifetime in ms; None if absent."""
+        spooled = self.spool.by_id.get((tenant, record_id))
+        if spooled is not None:
+            return {**spooled, "replays": []}, self.ttl_s * 1000
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.get(self.keys.record(tenant, record_id))
@@ -193,6 +223,7 @@ class Recorder:
 
     async def close(self) -> None:
         await self.redis.aclose()
+        self.spool.close()
 
 
 def now() -> float:

@@ -86,5 +86,5 @@ async def _run(svc: Services, record: dict, worker: Worker, load: int) -> dict:
         "id": record["id"], "replay_id": "rpl-" + secrets.token_hex(12), **cmp,
         "original_fingerprint": record["system_fingerprint"],
         "replay_fingerprint": answer.get("system_fingerprint") or worker.fingerprint,
-        "worker": worker.url, "load": load, "created": now(), "replay_choices": choices,
+        "worker": worker.name, "load": load, "created": now(), "replay_choices": choices,
     }

@@ -18,10 +18,12 @@ import asyncio
 import hashlib
 import logging
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit, urlunsplit
 
 import orjson
 
 from gateway.errors import Conflict, NotFound, NoWorker
+from gateway.interrupts import EJECTED, Interrupts
 from gateway.metrics import Metrics
 from gateway.upstream import TimedOut, Unreachable, Upstream
 
@@ -30,9 +32,17 @@ log = logging.getLogger("detgate.gateway")
 PROBE_PROMPT = "detgate fingerprint probe"
 
 
+def worker_name(url: str) -> str:
+    """The URL without user-info (`http://user:pw@host:9001` -> `http://host:9001`): what
+    labels, logs, records and comparisons show. Only requests to the worker use `url`."""
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
+
 @dataclass
 class Worker:
     url: str
+    name: str = ""
     up: bool = False
     inflight: int = 0
     models: list[str] = field(default_factory=list)
@@ -41,6 +51,16 @@ class Worker:
     # `fingerprint` is derived.
     own_fingerprint: bool = False
     labels: str = ""
+    # Tasks waiting on this worker: interrupted (EJECTED) when it is ejected.
+    attempts: set[asyncio.Task] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.name = self.name or worker_name(self.url)
+
+    def redact(self, text: str) -> str:
+        """`text` (an exception's message, say) without this worker's user-info."""
+        userinfo = urlsplit(self.url).netloc.rpartition("@")[0]
+        return text.replace(userinfo, "***") if userinfo else text
 
 
 def derived_fingerprint(cards: list[dict], version: str | None, labels: str) -> str:
@@ -57,16 +77,20 @@ def derived_fingerprint(cards: list[dict], version: str | None, labels: str) -> 
 
 
 class Router:
-    def __init__(self, urls: list[str], upstream: Upstream, metrics: Metrics, *,
-                 labels: dict[str, str], probe_timeout_s: float) -> None:
-        self.workers = [Worker(url, labels=labels.get(url, labels.get("*", ""))) for url in urls]
+    def __init__(self, urls: list[str], upstream: Upstream, metrics: Metrics,
+                 interrupts: Interrupts, *, labels: dict[str, str],
+                 probe_timeout_s: float) -> None:
+        self.workers = [Worker(url) for url in urls]
+        for w in self.workers:
+            w.labels = labels.get(w.url, labels.get(w.name, labels.get("*", "")))
         self.upstream = upstream
         self.metrics = metrics
+        self.interrupts = interrupts
         self.probe_timeout_s = probe_timeout_s
         self._turn = 0
         for w in self.workers:
             # Read at scrape time: no per-request cost on the hot path.
-            metrics.worker_inflight.labels(w.url).set_function(lambda w=w: w.inflight)
+            metrics.worker_inflight.labels(w.name).set_function(lambda w=w: w.inflight)
 
     # -- choice -------------------------------------------------------------------------------
 
@@ -106,9 +130,12 @@ class Router:
 
     def eject(self, worker: Worker, reason: str) -> None:
         if worker.up:
-            log.warning("worker %s ejected: %s", worker.url, reason)
+            log.warning("worker %s ejected: %s", worker.name, worker.redact(reason))
         worker.up = False
-        self.metrics.worker_up.labels(worker.url).set(0)
+        self.metrics.worker_up.labels(worker.name).set(0)
+        # Requests waiting on it stop now: retried elsewhere, or failed with a record.
+        for task in list(worker.attempts):
+            self.interrupts.interrupt(task, EJECTED)
 
     def learn(self, worker: Worker, fingerprint: str | None) -> None:
         """Passive learning from answers: a worker's own fingerprint wins over a derived one."""
@@ -147,10 +174,10 @@ class Router:
             self.eject(worker, f"{type(exc).__name__}: {exc}")
             return
         if not worker.up:
-            log.warning("worker %s up: models %s, fingerprint %s", worker.url, worker.models,
+            log.warning("worker %s up: models %s, fingerprint %s", worker.name, worker.models,
                         worker.fingerprint)
         worker.up = True
-        self.metrics.worker_up.labels(worker.url).set(1)
+        self.metrics.worker_up.labels(worker.name).set(1)
 
     async def _introduce(self, worker: Worker) -> None:
         """Learn models and fingerprint of a worker that is (again) healthy."""

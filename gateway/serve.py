@@ -1,4 +1,10 @@
-"""`detgate gateway`: serve the app with uvicorn (uvloop + httptools when installed)."""
+"""`detgate gateway`: serve the app with uvicorn (uvloop, httptools with the limits of
+gateway/edge.py).
+
+SIGTERM or Ctrl-C: uvicorn stops accepting and closes idle connections; the app's drain
+gives requests in flight `DETGATE_SHUTDOWN_GRACE_S` to finish, then aborts the rest (error
+shape, `aborted` records); uvicorn's own cancellation comes only after that, as a backstop.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +12,24 @@ import logging
 import sys
 
 import uvicorn
+from fastapi import FastAPI
 from prometheus_client import disable_created_metrics
 from pydantic import ValidationError
 
 from gateway.app import create_app
 from gateway.config import Settings
+from gateway.edge import protocol
+
+
+class GatewayServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, app: FastAPI, grace_s: float) -> None:
+        super().__init__(config)
+        self.drain = app.state.drain
+        self.grace_s = grace_s
+
+    async def shutdown(self, sockets=None) -> None:
+        self.drain.begin(self.grace_s)
+        await super().shutdown(sockets)
 
 
 def main(args) -> int:
@@ -20,13 +39,23 @@ def main(args) -> int:
     try:
         settings = Settings()
         app = create_app(settings)
-    except (ValidationError, ValueError) as exc:
+    except ValidationError as exc:
+        # Never the input: it may be DETGATE_API_KEYS or a worker URL with a password.
+        problems = "; ".join(f"DETGATE_{'.'.join(map(str, e['loc'])).upper()}: {e['msg']}"
+                             for e in exc.errors(include_url=False, include_input=False))
+        print(f"detgate gateway: bad configuration: {problems}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
         print(f"detgate gateway: bad configuration: {exc}", file=sys.stderr)
         return 2
     logging.getLogger("detgate.gateway").info(
         "gateway on http://%s:%d, %d worker(s), %s", settings.host, settings.port,
         len(settings.workers), "open mode" if not settings.api_keys else
         f"{len(settings.api_keys)} API key(s)")
-    uvicorn.run(app, host=settings.host, port=settings.port, loop="auto", http="auto",
-                access_log=False, log_level="warning", timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, loop="auto", http=protocol(settings),
+        access_log=False, log_level="warning", timeout_keep_alive=settings.keepalive_timeout_s,
+        # The drain aborts at the grace; this leaves the aborted requests time to be recorded.
+        timeout_graceful_shutdown=settings.shutdown_grace_s + 10)
+    GatewayServer(config, app, settings.shutdown_grace_s).run()
     return 0

@@ -32,12 +32,15 @@ class Answer:
 
 
 class EventStream:
-    """An open SSE answer: `status`, then `events()` yields each `data:` payload."""
+    """An open SSE answer: `status`, then `events()` yields each `data:` payload. `prime`
+    waits for the first one: until then nothing has reached the client, so a retry is safe."""
 
     def __init__(self, response: aiohttp.ClientResponse, read_timeout_s: float) -> None:
         self.response = response
         self.status = response.status
         self.read_timeout_s = read_timeout_s
+        self._first: bytes | None = None
+        self._primed = False
 
     async def body(self) -> bytes:
         try:
@@ -47,19 +50,38 @@ class EventStream:
         finally:
             self.close()
 
-    async def events(self) -> AsyncIterator[bytes]:
+    async def _next(self) -> bytes | None:
+        """The next `data:` payload; None at the end of the stream."""
         content = self.response.content
         while True:
             try:
-                line = await asyncio.wait_for(content.readline(), self.read_timeout_s)
-            except TimeoutError as exc:
-                raise TimedOut("worker stream stalled") from exc
+                line = await content.readline()
             except (aiohttp.ClientError, OSError) as exc:
                 raise Unreachable(f"worker stream broke: {exc}") from exc
             if not line:
-                return
+                return None
             if line.startswith(b"data:"):
-                yield line[5:].strip()
+                return line[5:].strip()
+
+    async def _next_within(self, timeout_s: float, what: str) -> bytes | None:
+        try:
+            return await asyncio.wait_for(self._next(), timeout_s)
+        except TimeoutError as exc:
+            raise TimedOut(what) from exc
+
+    async def prime(self, timeout_s: float) -> None:
+        self._first = await self._next_within(timeout_s, f"no first event within {timeout_s:g}s")
+        self._primed = True
+
+    async def events(self) -> AsyncIterator[bytes]:
+        if self._primed:
+            self._primed = False
+            if self._first is None:
+                return
+            yield self._first
+        while (data := await self._next_within(self.read_timeout_s, "worker stream stalled")) \
+                is not None:
+            yield data
 
     def close(self) -> None:
         """Keep the connection for reuse only if the answer was read to its end."""

@@ -8,11 +8,30 @@ through JSON unchanged.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from detgate.contract.constants import MAX_LOGPROBS, ROLES
+
+
+def _utf8(text: str) -> str:
+    """JSON can spell a lone surrogate (\\ud800) that no tokenizer can encode: a 400, not a 500."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise ValueError("text holds a lone surrogate, which is not a character") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
 
 
 class StreamOptions(BaseModel):
@@ -31,7 +50,7 @@ class _Request(BaseModel):
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
@@ -60,7 +79,7 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int] = Field(min_length=1)
+    prompt: Text | list[int] = Field(min_length=1)
     max_tokens: int = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: Literal[False] = False
@@ -68,14 +87,14 @@ class CompletionRequest(_Request):
 
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal[ROLES]  # type: ignore[valid-type]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content

@@ -74,6 +74,9 @@ class Sampler:
             sorted_probs, order = probs.sort(descending=True, stable=True)
             # Drop a token once the mass of the tokens ranked above it already reaches top_p.
             drop_sorted = (sorted_probs.cumsum(0) - sorted_probs) >= params.top_p
+            # The most likely token always stays, however small top_p is (1e-300 is 0 in fp32,
+            # which would otherwise drop every token and make the draw an argmax over zeros).
+            drop_sorted[0] = False
             drop = torch.empty_like(drop_sorted).scatter_(0, order, drop_sorted)
             probs = probs.masked_fill(drop, 0.0)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p (unnormalised is fine).

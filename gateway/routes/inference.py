@@ -1,12 +1,16 @@
 """`POST /v1/completions`, `POST /v1/chat/completions`: validate -> route -> forward -> record.
 
 A non-streamed answer is recorded before it is returned; a streamed one when it ends, before
-`data: [DONE]` (or as `aborted` when the client leaves). The client's answer carries the
-record id as `id` and in `X-Detgate-Record-Id`, and the worker's fingerprint.
+`data: [DONE]` (or as `aborted` when the client leaves). A 2xx or a `[DONE]` is sent only once
+the record is durable (in Redis or the spool); otherwise a 503, or an error event and no
+`[DONE]`. A shutdown past its grace ends what still runs as `aborted`, in the error shape.
+The client's answer carries the record id as `id` and in `X-Detgate-Record-Id`, and the
+worker's fingerprint.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -17,8 +21,16 @@ from starlette.routing import Route
 
 from detgate.contract.record import Record, RecordChoice
 from gateway import protocol, responses
-from gateway.errors import GatewayError, UpstreamFailed, UpstreamRejected, UpstreamTimeout
+from gateway.errors import (
+    GatewayError,
+    RecorderUnavailable,
+    ShuttingDown,
+    UpstreamFailed,
+    UpstreamRejected,
+    UpstreamTimeout,
+)
 from gateway.forward import Opened
+from gateway.interrupts import EJECTED, SHUTDOWN
 from gateway.protocol import ParsedRequest
 from gateway.recorder import now
 from gateway.services import Services, new_record_id, read_body, services
@@ -44,8 +56,10 @@ routes = [Route(protocol.COMPLETIONS, completions, methods=["POST"]),
 async def _handle(request: Request, endpoint: str) -> Response:
     svc = services(request)
     tenant = svc.auth.tenant(request.headers.get("authorization"))
-    raw = await read_body(request, svc.settings.max_body_bytes)
+    raw = await read_body(request, svc.settings.max_body_bytes, svc.settings.body_timeout_s)
     parsed = protocol.parse(endpoint, raw, svc.settings)
+    if svc.drain.draining:
+        raise ShuttingDown("the gateway is shutting down; retry on another instance")
     svc.recorder.ensure_up()
     record_id = new_record_id(endpoint)
     deadline = time.monotonic() + svc.settings.total_timeout_s
@@ -66,11 +80,18 @@ def _record(parsed: ParsedRequest, record_id: str, worker: str | None, fingerpri
 async def _whole(svc: Services, request: Request, tenant: str, parsed: ParsedRequest,
                  record_id: str, deadline: float) -> Response:
     try:
-        sent = await svc.forwarder.send(parsed.model, parsed.endpoint,
-                                        orjson.dumps(parsed.body), deadline=deadline)
+        with svc.drain.track():
+            sent = await svc.forwarder.send(parsed.model, parsed.endpoint,
+                                            orjson.dumps(parsed.body), deadline=deadline)
     except (UpstreamRejected, UpstreamFailed, UpstreamTimeout) as exc:
         await _record_failure(svc, tenant, parsed, record_id, exc)
         raise
+    except asyncio.CancelledError:
+        if not svc.interrupts.take(SHUTDOWN):
+            raise
+        exc = ShuttingDown("the gateway shut down before the worker answered")
+        await _record_failure(svc, tenant, parsed, record_id, exc, status="aborted")
+        raise exc from None
     request.state.upstream_s = sent.upstream_s
     try:
         answer = orjson.loads(sent.answer.body)
@@ -82,7 +103,7 @@ async def _whole(svc: Services, request: Request, tenant: str, parsed: ParsedReq
     svc.router.learn(sent.worker, own)
     fingerprint = own or sent.worker.fingerprint
     await svc.save(tenant, _record(
-        parsed, record_id, sent.worker.url, fingerprint, "complete",
+        parsed, record_id, sent.worker.name, fingerprint, "complete",
         choices=responses.record_choices(parsed.is_chat, answer), usage=answer.get("usage"),
         **responses.prompt_extras(answer)))
     body = responses.shape_answer(parsed.is_chat, answer, parsed.ask, record_id, fingerprint)
@@ -91,21 +112,29 @@ async def _whole(svc: Services, request: Request, tenant: str, parsed: ParsedReq
 
 
 async def _record_failure(svc: Services, tenant: str, parsed: ParsedRequest, record_id: str,
-                          exc: GatewayError) -> None:
+                          exc: GatewayError, status: str = "failed") -> None:
     """A forwarded request that got no answer is recorded too, and the client told its id."""
     exc.headers[RECORD_HEADER] = record_id
-    await svc.save_quietly(tenant, _record(parsed, record_id, None, None, "failed",
+    await svc.save_quietly(tenant, _record(parsed, record_id, None, None, status,
                                            choices=[], usage=None, error=exc.message))
 
 
 async def _stream(svc: Services, request: Request, tenant: str, parsed: ParsedRequest,
                   record_id: str, deadline: float) -> Response:
     try:
-        opened = await svc.forwarder.open_stream(parsed.model, parsed.endpoint,
-                                                 orjson.dumps(parsed.body), deadline=deadline)
+        with svc.drain.track():
+            opened = await svc.forwarder.open_stream(parsed.model, parsed.endpoint,
+                                                     orjson.dumps(parsed.body),
+                                                     deadline=deadline)
     except (UpstreamRejected, UpstreamFailed, UpstreamTimeout) as exc:
         await _record_failure(svc, tenant, parsed, record_id, exc)
         raise
+    except asyncio.CancelledError:
+        if not svc.interrupts.take(SHUTDOWN):
+            raise
+        exc = ShuttingDown("the gateway shut down before the worker answered")
+        await _record_failure(svc, tenant, parsed, record_id, exc, status="aborted")
+        raise exc from None
     return StreamingResponse(
         _relay(svc, request, tenant, parsed, record_id, deadline, opened),
         media_type="text/event-stream",
@@ -126,46 +155,82 @@ async def _relay(svc: Services, request: Request, tenant: str, parsed: ParsedReq
     def record() -> dict:
         fingerprint = acc.fingerprint or worker.fingerprint
         extra = {"error": error.message} if error is not None else {}
-        return _record(parsed, record_id, worker.url, fingerprint, status,
+        return _record(parsed, record_id, worker.name, fingerprint, status,
                        choices=acc.record_choices(), usage=acc.usage, **acc.extras, **extra)
 
+    task = asyncio.current_task()
+    worker.attempts.add(task)  # an ejection interrupts the relay (EJECTED)
     try:
-        async for data in opened.stream.events():
-            if data == b"[DONE]":
-                status = "complete"
-                break
-            chunk = orjson.loads(data)
-            message = responses.stream_error(chunk)
-            if message is not None:
-                error = UpstreamFailed(message)
-                break
-            acc.add(chunk)
-            fingerprint = acc.fingerprint or worker.fingerprint
-            out = responses.shape_chunk(parsed.is_chat, chunk, parsed.ask, record_id, fingerprint)
-            if out is not None:
-                yield _sse(out)
-            if time.monotonic() > deadline:
-                error = UpstreamTimeout("the request ran out of its total time")
-                break
-        else:
-            error = UpstreamFailed("the worker ended the stream without [DONE]")
+        with svc.drain.track():
+            async for data in opened.stream.events():
+                if data == b"[DONE]":
+                    status = "complete"
+                    break
+                chunk = orjson.loads(data)
+                message = responses.stream_error(chunk)
+                if message is not None:
+                    error = UpstreamFailed(message)
+                    break
+                acc.add(chunk)
+                fingerprint = acc.fingerprint or worker.fingerprint
+                out = responses.shape_chunk(parsed.is_chat, chunk, parsed.ask, record_id,
+                                            fingerprint)
+                if out is not None:
+                    yield _sse(out)
+                if time.monotonic() > deadline:
+                    error = UpstreamTimeout("the request ran out of its total time")
+                    break
+            else:
+                error = UpstreamFailed("the worker ended the stream without [DONE]")
     except (Unreachable, TimedOut, orjson.JSONDecodeError) as exc:
+        worker.attempts.discard(task)
         svc.router.eject(worker, str(exc))
-        error = UpstreamFailed(f"worker failed mid-stream: {exc}")
+        error = UpstreamFailed(f"the worker failed mid-stream ({_what(exc)})")
+    except asyncio.CancelledError:
+        if svc.interrupts.take(EJECTED):
+            # Tokens already reached the client: no retry, a failed record at once.
+            error = UpstreamFailed("the worker stopped answering mid-stream")
+        elif svc.interrupts.take(SHUTDOWN):
+            status = "aborted"
+            error = ShuttingDown("the gateway shut down before the stream ended")
+        else:  # the client left: record what was sent
+            status = "aborted"
+            svc.spawn(svc.save_quietly(tenant, record()))
+            raise
     except BaseException:
-        # The client left (cancellation) or the generator was closed: record what was sent.
+        # The generator was closed: record what was sent.
         status = "aborted"
         svc.spawn(svc.save_quietly(tenant, record()))
         raise
     finally:
+        worker.attempts.discard(task)
         opened.stream.close()
         svc.router.release(worker)
         elapsed = time.perf_counter() - opened.started
         request.state.upstream_s = elapsed
-        svc.metrics.observe_upstream(worker.url, elapsed)
+        svc.metrics.observe_upstream(worker.name, elapsed)
     svc.router.learn(worker, acc.fingerprint)
-    await svc.save_quietly(tenant, record())
+    try:
+        await svc.save(tenant, record())
+    except RecorderUnavailable as exc:
+        # `[DONE]` promises a durable record: without one the stream ends in an error event.
+        error = exc
+        yield _error_event(error)
+        return
     if error is not None:
-        yield _sse({"error": {"message": error.message, "type": error.type, "param": None,
-                              "code": error.code}})
+        yield _error_event(error)
     yield b"data: [DONE]\n\n"
+
+
+def _what(exc: Exception) -> str:
+    """A tenant-facing cause: no worker address, no user-info, no library text."""
+    if isinstance(exc, TimedOut):
+        return "timed out"
+    if isinstance(exc, orjson.JSONDecodeError):
+        return "an event that is not JSON"
+    return "connection lost"
+
+
+def _error_event(error: GatewayError) -> bytes:
+    return _sse({"error": {"message": error.message, "type": error.type, "param": None,
+                           "code": error.code}})

@@ -35,8 +35,13 @@ async def healthz() -> Response:
 async def readyz(request: Request) -> Response:
     svc = services(request)
     redis_ok = await svc.recorder.ping()
-    workers_ok = svc.router.any_up()
-    body = {"status": "ready" if redis_ok and workers_ok else "not ready",
-            "redis": redis_ok, "workers_up": sum(w.up for w in svc.router.workers)}
-    return Response(orjson.dumps(body), status_code=200 if redis_ok and workers_ok else 503,
+    # Records can be stored: in Redis, or in the spool while Redis is away.
+    records_ok = svc.recorder.can_record()
+    ready = records_ok and svc.router.any_up()
+    spool = svc.recorder.spool
+    body = {"status": "ready" if ready else "not ready", "redis": redis_ok,
+            "spool": {"records": spool.depth, "bytes": spool.bytes,
+                      "max_bytes": spool.max_bytes, "usable": spool.has_room()},
+            "workers_up": sum(w.up for w in svc.router.workers)}
+    return Response(orjson.dumps(body), status_code=200 if ready else 503,
                     media_type="application/json")

@@ -48,7 +48,9 @@ async def list_records(request: Request) -> Response:
     tenant = svc.auth.tenant(request.headers.get("authorization"))
     query = request.query_params
     raw = query.get("limit", "20")
-    if not raw.isdigit() or not 1 <= int(raw) <= 1000:
+    # ASCII digits only, and few of them: str.isdigit() accepts '²' and '١', which int()
+    # refuses or reads, and int() refuses strings of more than 4,300 digits.
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 4) or not 1 <= int(raw) <= 1000:
         raise BadRequest("'limit' must be an integer from 1 to 1000", param="limit")
     status, result = query.get("status"), query.get("replay")
     if status is not None and status not in STATUSES:
@@ -74,6 +76,6 @@ async def list_records(request: Request) -> Response:
 async def replay_record(record_id: str, request: Request) -> Response:
     svc = services(request)
     tenant = svc.auth.tenant(request.headers.get("authorization"))
-    load = protocol.parse_replay(await read_body(request, svc.settings.max_body_bytes),
-                                 svc.settings)
+    raw = await read_body(request, svc.settings.max_body_bytes, svc.settings.body_timeout_s)
+    load = protocol.parse_replay(raw, svc.settings)
     return _json(await replay(svc, tenant, record_id, load))

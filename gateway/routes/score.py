@@ -27,7 +27,7 @@ from gateway.services import read_body, services
 async def score(request: Request) -> Response:
     svc = services(request)
     svc.auth.tenant(request.headers.get("authorization"))
-    raw = await read_body(request, svc.settings.max_body_bytes)
+    raw = await read_body(request, svc.settings.max_body_bytes, svc.settings.body_timeout_s)
     parsed = protocol.parse_score(raw, svc.settings)
     deadline = time.monotonic() + svc.settings.total_timeout_s
     sent = await svc.forwarder.send(parsed.model, protocol.SCORE, orjson.dumps(parsed.body),

@@ -71,6 +71,8 @@ def _gateway_starter(redis_url: str, log_dir: Path) -> Iterator:
             "DETGATE_WORKERS": ",".join(workers), "DETGATE_API_KEYS": api_keys,
             "DETGATE_REDIS_URL": redis or redis_url, "DETGATE_KEY_PREFIX": prefix,
             "DETGATE_HEALTH_INTERVAL_S": "0.2", "DETGATE_CONNECT_TIMEOUT_S": "1",
+            # Its own record spool (a restarted gateway that should find one passes its own).
+            "DETGATE_STATE_DIR": str(log_dir / f"state-{port}"),
             **(env or {}),
         }
         proc = Proc(detgate_cmd("gateway"), url, log_dir / f"gateway-{port}.log", env=proc_env)

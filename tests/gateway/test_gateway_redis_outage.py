@@ -1,5 +1,6 @@
-"""Redis stopped: the gateway answers 503 with Retry-After instead of unrecordable answers,
-and recovers by itself once Redis is back. Uses its own redis-server, never the shared one."""
+"""Redis stopped with the spool off: the gateway answers 503 with Retry-After instead of
+unrecordable answers, and recovers by itself once Redis is back. Uses its own redis-server,
+never the shared one. (With the spool, see test_gateway_faults.py.)"""
 
 from __future__ import annotations
 
@@ -53,8 +54,10 @@ def own_redis(tmp_path):
     r.stop()
 
 
-def test_redis_down_gives_503_then_recovers(start_gateway, vllm_worker, own_redis):
-    gw = start_gateway([vllm_worker.url], redis=own_redis.url)
+def test_redis_down_without_spool_gives_503_then_recovers(start_gateway, vllm_worker,
+                                                          own_redis):
+    gw = start_gateway([vllm_worker.url], redis=own_redis.url,
+                       env={"DETGATE_SPOOL_MAX_BYTES": "0"})
     with gw.http() as http:
         assert http.post("/v1/chat/completions", json=BODY).status_code == 200
 

@@ -87,8 +87,9 @@ def test_score_through_the_gateway_equals_the_worker_bitwise(gw, workers, model,
 
 
 def test_score_needs_no_redis(start_gateway_module, workers, model):
+    # Without a spool, so that no record could be stored at all: /readyz says not ready.
     gw = start_gateway_module([workers[0].url], redis=f"redis://127.0.0.1:{free_port()}/0",
-                              wait="/healthz")
+                              wait="/healthz", env={"DETGATE_SPOOL_MAX_BYTES": "0"})
     with gw.http() as http:
         deadline = time.monotonic() + 60
         while not http.get("/v1/models").json()["data"]:  # the worker's first health check

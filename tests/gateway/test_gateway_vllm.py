@@ -249,6 +249,9 @@ CONTRACT_METRICS = {
     "detgate_replay_max_abs_logprob_diff": "histogram",
     "detgate_replay_first_divergence_position": "histogram", "detgate_worker_up": "gauge",
     "detgate_worker_inflight": "gauge",
+    # Beyond the contract's table: the record spool's depth (records durable on disk while
+    # Redis is away).
+    "detgate_spool_records": "gauge", "detgate_spool_bytes": "gauge",
 }
 
 
