@@ -2,7 +2,8 @@
 
 Inside the context, aten mm, addmm, bmm (so nn.Linear, F.linear and torch.matmul, which
 decompose into them), _log_softmax and mean.dim go to `kernels.matmul` / `kernels.log_softmax`,
-which dispatch by device (Triton on CUDA, the CPU implementation on CPU). Everything else runs
+which dispatch by device (Triton on CUDA, the CPU implementation on CPU); a CUDA mean is a
+fixed-order row sum (`kernels.rmsnorm.row_sum`), a CPU one a matmul with ones. Everything else runs
 unchanged. Leaving the context restores the normal kernels.
 
 The routing is a `torch.library` registration of those five ops for the CPU and CUDA keys,
@@ -24,6 +25,7 @@ import contextlib
 import threading
 import warnings
 from collections.abc import Iterator
+from importlib import import_module
 
 import torch
 
@@ -42,7 +44,7 @@ _STATE = _ThreadState()
 _LOCK = threading.Lock()
 _library: torch.library.Library | None = None
 _threads_inside = 0
-# (length, device) -> ones [length, _SUM_COLUMNS] fp32, the right operand of every mean.
+# (length, device) -> ones [length, _SUM_COLUMNS] fp32, the right operand of every CPU mean.
 _ONES: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
@@ -100,20 +102,22 @@ def _mean_dim(x: torch.Tensor, dim=None, keepdim: bool = False, dtype=None
         length *= x.shape[d]
     trailing = dims == list(range(len(kept), x.dim()))
     rows = (x if trailing else x.permute(*kept, *dims)).reshape(-1, length)
-    if rows.dtype != torch.float32:
-        rows = rows.to(torch.float32)
     if not length:
         return torch.full(_mean_shape(x, dims, kept, keepdim), float("nan"), dtype=out_dtype,
                           device=x.device)
-    # The sum of each row is a fp32 matmul with ones: one fixed K order per row, whatever the
-    # number of rows. Eight columns, not one: a single column takes GEMV paths on CPU (not
-    # invariant) and gives 4-byte output rows that TMA cannot address on GPU.
-    key = (length, x.device)
-    ones = _ONES.get(key)
-    if ones is None:
-        ones = _ONES[key] = torch.ones((length, _SUM_COLUMNS), dtype=torch.float32,
-                                       device=x.device)
-    total = _kernels().matmul(rows, ones)[:, 0]
+    if rows.is_cuda:
+        # One program per row, one fixed order set by the length (kernels/rmsnorm.py).
+        total = import_module("kernels.rmsnorm").row_sum(rows)
+    else:
+        # The sum of each row is a fp32 matmul with ones: one fixed K order per row, whatever
+        # the number of rows. Eight columns, not one: a single column takes GEMV paths on CPU
+        # (not invariant).
+        key = (length, x.device)
+        ones = _ONES.get(key)
+        if ones is None:
+            ones = _ONES[key] = torch.ones((length, _SUM_COLUMNS), dtype=torch.float32,
+                                           device=x.device)
+        total = _kernels().matmul(rows.to(torch.float32), ones)[:, 0]
     mean = total / length
     if mean.dtype != out_dtype:
         mean = mean.to(out_dtype)

@@ -65,6 +65,14 @@ def test_every_tile_config_gives_the_same_bits(mm, n, k):
         shifted = torch.empty(m * k + 1, device="cuda", dtype=a.dtype)[1:].view(m, k)
         shifted.copy_(a[:m])
         outs["pointer"] = mm.matmul(shifted, w.t())
+        # A by descriptor and by masked loads, whatever the row count.
+        for name, cfg in (("m64n32k256", mm.CONFIGS_16BIT["m64n32k256"]),
+                          ("m128n256", mm.CONFIGS_16BIT["m128n256"])):
+            for a_desc in (False, True):
+                outs[f"{name} a_desc={a_desc}"] = mm.matmul(a[:m], w.t(), config=cfg,
+                                                            a_desc=a_desc)
+        # The default call: the fast launch with the per-weight cached state.
+        outs["fast launch"] = mm.matmul(a[:m], w.t())
         ref = outs.pop("m128n256")
         assert [name for name, out in outs.items() if not torch.equal(out, ref)] == [], m
 
@@ -96,6 +104,27 @@ def test_rms_norm_and_add_rms_norm_rows_do_not_depend_on_batch():
         assert torch.equal(rn.rms_norm(x[:m], w, 1e-6), full[:m])
         out, res = rn.add_rms_norm(x[:m], r[:m], w, 1e-6)
         assert torch.equal(out, fused[:m]) and torch.equal(res, summed[:m])
+
+
+def test_fast_launch_equals_the_jit_launch_and_keeps_no_weight_alive():
+    mm = import_module("kernels.matmul")
+    rn = import_module("kernels.rmsnorm")
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(700, 4096, device="cuda", dtype=torch.bfloat16)
+    info = mm.device_info(torch.cuda.current_device())
+    for m in (1, 2, 16, 17, 63, 64, 65, 129, 700):
+        cfg = mm.pick_config(m, 4096, 4096, torch.bfloat16, info)
+        assert torch.equal(mm.matmul(x[:m], w.t(), bias),
+                           mm.matmul(x[:m], w.t(), bias, config=cfg)), m
+    held = torch.cuda.memory_allocated()
+    del w
+    assert torch.cuda.memory_allocated() < held  # the cache kept an address, not the tensor
+    xs = torch.randn(300, 4096, device="cuda")
+    sums = rn.row_sum(xs)
+    assert ((sums.double() - xs.double().sum(-1)).abs().max()).item() < 1e-2
+    for m in (1, 3, 64, 299):
+        assert torch.equal(rn.row_sum(xs[:m]), sums[:m])
 
 
 def test_log_softmax_rows_do_not_depend_on_batch():

@@ -201,6 +201,18 @@ def test_rms_norm_rejects_bad_inputs():
         rn_mod.rms_norm(x, _randn(8, dtype=torch.bfloat16, seed=17), 1e-6)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_sum_matches_reference_and_is_batch_invariant(dtype, monkeypatch):
+    monkeypatch.setattr(rn_mod, "ROW_SUM_BLOCK", 32)  # several chunks per row
+    x = _randn(9, 100, dtype=dtype, seed=24)
+    out = rn_mod.row_sum(x)
+    assert out.dtype == torch.float32 and out.shape == (9,)
+    assert _rel_err(out, x.double().sum(-1)) < 1e-5
+    for rows in (1, 2, 5, 9):
+        assert torch.equal(rn_mod.row_sum(x[:rows]), out[:rows])
+    assert torch.equal(rn_mod.row_sum(x[4:5]), out[4:5])
+
+
 # ----------------------------------------------------------------------------- log_softmax
 
 
