@@ -49,3 +49,12 @@ def test_worker_check_refuses_a_model_whose_kernels_are_not_invariant(tiny_model
     monkeypatch.setattr(kernels, "matmul", lambda a, b, bias=None: split_k_matmul(a, b.t()))
     with pytest.raises(selfcheck.SelfCheckError, match="self-check failed on .*matmul"):
         check(loaded)
+
+
+def test_no_compiler_says_what_to_install(monkeypatch):
+    from kernels import cpu_ext
+
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(cpu_ext.shutil, "which", lambda name: None)
+    with pytest.raises(cpu_ext.BuildError, match="needs a C.. compiler.*apt-get install g\\+\\+"):
+        cpu_ext.load.__wrapped__("native")
