@@ -158,6 +158,7 @@ async def _relay(svc: Services, request: Request, tenant: str, parsed: ParsedReq
         return _record(parsed, record_id, worker.name, fingerprint, status,
                        choices=acc.record_choices(), usage=acc.usage, **acc.extras, **extra)
 
+    ended = True
     task = asyncio.current_task()
     worker.attempts.add(task)  # an ejection interrupts the relay (EJECTED)
     try:
@@ -193,6 +194,7 @@ async def _relay(svc: Services, request: Request, tenant: str, parsed: ParsedReq
         elif svc.interrupts.take(SHUTDOWN):
             status = "aborted"
             error = ShuttingDown("the gateway shut down before the stream ended")
+            ended = False
         else:  # the client left: record what was sent
             status = "aborted"
             svc.spawn(svc.save_quietly(tenant, record()))
@@ -219,7 +221,8 @@ async def _relay(svc: Services, request: Request, tenant: str, parsed: ParsedReq
         return
     if error is not None:
         yield _error_event(error)
-    yield b"data: [DONE]\n\n"
+    if ended:  # a cut stream ends in its error event; a failed one is over and recorded
+        yield b"data: [DONE]\n\n"
 
 
 def _what(exc: Exception) -> str:

@@ -18,16 +18,22 @@ BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 
 
 class OwnRedis:
-    def __init__(self, tmp_path) -> None:
+    """`durable`: every write fsynced to its AOF before Redis answers, so that what it
+    acknowledged survives kill -9 (the gateway's promise can be no stronger than its Redis')."""
+
+    def __init__(self, tmp_path, durable: bool = False) -> None:
         self.port = free_port()
         self.dir = tmp_path
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen | None = None
+        self.durable = durable
 
     def start(self) -> None:
+        aof = ["--appendonly", "yes", "--appendfsync", "always"] if self.durable \
+            else ["--appendonly", "no"]
         self.proc = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.dir)],
+             *aof, "--dir", str(self.dir)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 20
         while True:
@@ -41,6 +47,12 @@ class OwnRedis:
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
+            self.proc.wait(10)
+
+    def kill(self) -> None:
+        """kill -9: no shutdown, no save."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
             self.proc.wait(10)
 
 

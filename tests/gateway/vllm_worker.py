@@ -34,6 +34,7 @@ class VllmFixtureWorker:
         # Set by tests: answer every generation with this status, or only after a delay.
         self.fail_status: int | None = None
         self.delay_s = 0.0
+        self.stream_gap_s = 0.0  # between the lines of a streamed answer
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._runner: web.AppRunner | None = None
@@ -58,7 +59,8 @@ class VllmFixtureWorker:
         app.router.add_get("/v1/models", self._static("vllm_models.json"))
         app.router.add_post("/v1/chat/completions", self._generate("chat"))
         app.router.add_post("/v1/completions", self._generate("completion"))
-        self._runner = web.AppRunner(app)
+        # Handlers still sleeping (a test's delay) are cut after 2 s when the worker stops.
+        self._runner = web.AppRunner(app, shutdown_timeout=2.0)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
 
@@ -103,6 +105,8 @@ class VllmFixtureWorker:
                 return response
             for line in lines:
                 await response.write(line)
+                if self.stream_gap_s and line.strip():
+                    await asyncio.sleep(self.stream_gap_s)
             await response.write_eof()
             return response
         return handler
