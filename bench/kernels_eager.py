@@ -169,13 +169,13 @@ def model_rows() -> dict:
     return result
 
 
-def run(skip_model: bool = False) -> dict:
+def run(skip_model: bool = False, model_only: bool = False) -> dict:
     result = {**bench.environment(), "timing": {
         "eager": f"CUDA events around {CALLS} back-to-back eager calls after {WARMUP} "
                  f"warm-ups, median of {REPEATS}, rotating weight copies (host cost included)",
         "graph": "median CUDA-graph replay of back-to-back calls (kernels.bench.time_calls)"}}
-    result["matmul"] = matmul_rows()
-    result["norms"] = norm_rows()
+    result["matmul"] = [] if model_only else matmul_rows()
+    result["norms"] = [] if model_only else norm_rows()
     if not skip_model:
         result["model"] = model_rows()
     misses = [f"{r['shape']} M={r['m']}: eager {r['eager_ratio']:.2f}x"
@@ -194,7 +194,7 @@ def main(args) -> int:
     if not torch.cuda.is_available():
         print("the eager kernel benchmark needs a CUDA device")
         return 2
-    result = run(skip_model=args.skip_model)
+    result = run(skip_model=args.skip_model, model_only=getattr(args, "model_only", False))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
         print(f"wrote {args.json}")
@@ -205,4 +205,5 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=None)
     parser.add_argument("--skip-model", action="store_true")
+    parser.add_argument("--model-only", action="store_true")
     raise SystemExit(main(parser.parse_args()))

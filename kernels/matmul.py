@@ -331,6 +331,7 @@ def _weight_for(key: tuple, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor
     ok = (info.capability >= (9, 0) and bt.data_ptr() == b.data_ptr()  # a view, not a copy
           and a.dtype in (torch.bfloat16, torch.float16, torch.float32)
           and _tma_ok(bt, (bt.stride(0),)) and (b.shape[1] * b.element_size()) % 16 == 0
+          and (b.shape[0] * b.element_size()) % 16 == 0  # A's rows, K long, TMA-addressable
           and (bias is None or bias.data_ptr() % 16 == 0) and b.shape[0] > 0
           and b.shape[1] > 0)
     if len(_WEIGHTS) >= _MAX_WEIGHTS:
