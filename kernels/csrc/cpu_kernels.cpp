@@ -435,7 +435,7 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
                   seq_lens.scalar_type() == torch::kInt32,
               "paged_attention: int32 block_tables, query_start_loc and seq_lens expected");
   const int64_t hq = q.size(1), d = q.size(2), hkv = k_cache.size(2);
-  auto out = torch::empty_like(q);
+  auto out = torch::zeros_like(q);  // rows of padding tokens (of no sequence) stay zero
   const auto qsl = query_start_loc.contiguous();
   const auto lens = seq_lens.contiguous();
   const int32_t* starts = qsl.data_ptr<int32_t>();
@@ -462,7 +462,7 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
     std::vector<float> scratch(longest);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t token = i / hkv, h = i % hkv;
-      if (seq_of[token] < 0) continue;  // a padding token of no sequence: left unwritten
+      if (seq_of[token] < 0) continue;
       if (bf16) {
         attend<uint16_t>(args, seq_of[token], token, keys[token], h, scratch.data());
       } else {
