@@ -145,6 +145,9 @@ DETGATE_INLINE vf8 exp8(vf8 x) {
   return nan ? splat(NAN) : y;
 }
 
+// Rows whose elements are adjacent (a one-column tensor may have any column stride).
+inline bool unit_columns(const torch::Tensor& t) { return t.size(1) <= 1 || t.stride(1) == 1; }
+
 // ---- matmul: out[m, n] = sum_k a[m, k] * w[n, k] ---------------------------------------
 //
 // Dot-product form over w's rows, so a Linear weight [N, K] is read in place (no packing, no
@@ -210,10 +213,10 @@ constexpr int64_t COL_TILE = 64;
 torch::Tensor matmul(const torch::Tensor& a, const torch::Tensor& w) {
   TORCH_CHECK(a.dim() == 2 && w.dim() == 2 && a.size(1) == w.size(1),
               "matmul: a [M, K] and w [N, K] expected");
-  TORCH_CHECK(a.scalar_type() == torch::kFloat32 && a.stride(1) == 1,
+  TORCH_CHECK(a.scalar_type() == torch::kFloat32 && unit_columns(a),
               "matmul: a must be fp32 with contiguous rows");
-  TORCH_CHECK(w.stride(1) == 1 && (w.scalar_type() == torch::kFloat32 ||
-                                   w.scalar_type() == torch::kBFloat16),
+  TORCH_CHECK(unit_columns(w) && (w.scalar_type() == torch::kFloat32 ||
+                                  w.scalar_type() == torch::kBFloat16),
               "matmul: w must be fp32 or bf16 with contiguous rows");
   const int64_t m = a.size(0), k = a.size(1), n = w.size(0);
   auto out = torch::empty({m, n}, a.options());
@@ -260,7 +263,7 @@ DETGATE_INLINE float sum_squares(const float* x, int64_t n) {
 // 1 / sqrt(mean(x^2) + eps) per row of x [R, H] fp32 -> [R] fp32. sqrt and / are correctly
 // rounded IEEE operations, so the statistic's bits follow from the sum's.
 torch::Tensor inv_rms(const torch::Tensor& x, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1,
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && unit_columns(x),
               "inv_rms: x [R, H] fp32 with contiguous rows expected");
   const int64_t rows = x.size(0), h = x.size(1), ld = x.stride(0);
   auto out = torch::empty({rows}, x.options());
@@ -303,7 +306,7 @@ DETGATE_INLINE float exp_sum(const float* x, int64_t n, float m, float* e) {
 
 // log_softmax over the last dim of x [R, V] fp32 -> [R, V] fp32: x - (max + log(sum exp)).
 torch::Tensor log_softmax(const torch::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1,
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && unit_columns(x),
               "log_softmax: x [R, V] fp32 with contiguous rows expected");
   const int64_t rows = x.size(0), v = x.size(1), ld = x.stride(0);
   auto out = torch::empty({rows, v}, x.options());
@@ -327,7 +330,7 @@ DETGATE_INLINE vf8 silu_mul8(vf8 g, vf8 u) { return g / (1.0f + exp8(-g)) * u; }
 
 // x [R, 2I] fp32 (gate | up, as the packed matmul writes them) -> [R, I] fp32.
 torch::Tensor silu_and_mul(const torch::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1 &&
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && unit_columns(x) &&
                   x.size(1) % 2 == 0,
               "silu_and_mul: x [R, 2I] fp32 with contiguous rows expected");
   const int64_t rows = x.size(0), half = x.size(1) / 2, ld = x.stride(0);

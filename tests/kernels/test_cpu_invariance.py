@@ -205,3 +205,14 @@ def test_builds_give_the_same_bits():
     args = (q, *cache, tables, torch.tensor([0, 20], dtype=torch.int32),
             torch.tensor([50], dtype=torch.int32))
     assert same_bits(native.paged_attention(*args), baseline.paged_attention(*args))
+
+
+def test_one_element_reductions():
+    """K = 1 (a rotary embedding's outer product through bmm) and one-wide rows, whatever
+    their strides."""
+    gen = torch.Generator().manual_seed(12)
+    a, b = torch.randn(5, 1, generator=gen), torch.randn(1, 7, generator=gen)
+    assert same_bits(kernels.matmul(a, b), a * b)  # one product, no sum: exact
+    x = torch.randn(4, 1, generator=gen)
+    assert same_bits(kernels.log_softmax(x), torch.zeros(4, 1))
+    torch.testing.assert_close(kernels.rms_norm(x, torch.ones(1), 1e-6), x.sign())
