@@ -182,7 +182,8 @@ def banner(gateway: str, workers: list[str], redis_url: str, logs: Path, mode: s
         f"    -d '{{\"model\": \"{model}\", \"max_tokens\": 32, \"temperature\": 0,",
         "         \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital "
         "of France?\"}]}'",
-        f"  curl -s -X POST {gateway}/replay/<id> -d '{{\"load\": 16}}'",
+        f"  curl -s -X POST {gateway}/replay/<id> -H 'Content-Type: application/json' "
+        "-d '{\"load\": 16}'",
         "",
         "Ctrl-C stops everything.",
     ]
