@@ -159,8 +159,8 @@ def _cuda_rows() -> list[dict]:
 
 def _cpu_rows() -> list[dict]:
     from kernels.attention_cpu import paged_attention
-    from worker.attention_metadata import AttentionMetadata
-    from worker.ops import _padded_sdpa
+    from worker.engine.attention_metadata import AttentionMetadata
+    from worker.model.ops import _padded_sdpa
 
     gen = torch.Generator().manual_seed(0)
     rows = []

@@ -26,9 +26,9 @@ import torch
 
 from detgate.contract.constants import MODES
 from detgate.provenance import git_commit, utc_now, versions
-from worker.engine import Engine
-from worker.engine_config import EngineConfig
-from worker.sequence import SamplingParams
+from worker.engine.config import EngineConfig
+from worker.engine.engine import Engine
+from worker.engine.sequence import SamplingParams
 
 
 def workload(num_requests: int, max_tokens: int, vocab: int, seed: int = 0):
@@ -59,8 +59,8 @@ def run_once(engine: Engine, requests) -> dict:
 
 
 def build(config: EngineConfig) -> Engine:
-    from worker.loader import load
-    from worker.model_source import resolve_model
+    from worker.model.loader import load
+    from worker.model.model_source import resolve_model
 
     loaded = load(resolve_model(config.model), dtype=config.dtype, device=config.device,
                   mode=config.mode)
@@ -128,7 +128,7 @@ def _summary(runs: list[dict]) -> dict:
 
 
 def _device(config: EngineConfig) -> dict:
-    from worker.loader import device_name
+    from worker.model.loader import device_name
 
     return {"type": config.device, "name": device_name(torch.device(config.device)),
             "torch_threads": torch.get_num_threads(), "machine": platform.machine()}

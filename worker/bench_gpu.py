@@ -14,9 +14,9 @@ both numeric modes side by side, the Engine driven in process (no HTTP server ne
 3. Trainer check: teacher-forced scoring (one full forward, no KV reuse) of sampled sequences
    against their sampled logprobs, bit for bit.
 A model name that is a preset (tiny, qwen3-8b-shape) is built on the device with random
-weights from --seed (worker/random_model.py); a folder is loaded as the worker loads it. Phases
-that would start after --deadline seconds are skipped; each phase's failure is recorded and the
-next one still runs. Writes OUT_DIR/engine-gpu.json after every phase; prints a table last.
+weights from --seed (worker/model/random_model.py); a folder is loaded as the worker loads it.
+Phases that would start after --deadline seconds are skipped; each phase's failure is recorded and
+the next one still runs. Writes OUT_DIR/engine-gpu.json after every phase; prints a table last.
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ import torch
 
 from detgate.contract.constants import DTYPES, MODES
 from worker import bench_workloads as wl
-from worker.attention_metadata import AttentionMetadata
 from worker.bench_report import REFERENCE, environment, summary_table
-from worker.engine import Engine
-from worker.engine_config import EngineConfig
-from worker.loader import load
-from worker.make_model import PRESETS
-from worker.ops import make_ops
-from worker.random_model import load_random
+from worker.engine.attention_metadata import AttentionMetadata
+from worker.engine.config import EngineConfig
+from worker.engine.engine import Engine
+from worker.model.loader import load
+from worker.model.ops import make_ops
+from worker.model.random_model import load_random
+from worker.tools.make_model import PRESETS
 
 T0 = time.time()
 PHASES = ("kernel_check", "build", "warmup", "decode_step", "determinism", "score", "cost",

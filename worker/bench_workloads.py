@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass, field
 
 from detgate.contract.compare import bits, compare_sequences, logprob_bits
-from worker.engine import Engine
-from worker.sequence import SamplingParams
+from worker.engine.engine import Engine
+from worker.engine.sequence import SamplingParams
 
 # Requests joining before a step, drawn uniformly: bursts and lulls around the needles.
 ARRIVALS = (0, 0, 0, 1, 1, 2, 4, 8, 16, 32)

@@ -37,19 +37,20 @@ def register(sub) -> None:
     p.add_argument("--skip-self-check", action="store_true",
                    help="batch_invariant on the CPU: serve without first checking the kernels' "
                         "invariance on the model's shapes (for experts)")
-    p.set_defaults(func=lambda args: __import__("worker.server", fromlist=["main"]).main(args))
+    p.set_defaults(func=lambda args: __import__("worker.server.app", fromlist=["main"]).main(args))
 
     p = sub.add_parser("prepare-model", help="make --model's checkpoint folder ready (a GGUF is "
                                              "dequantised once) and print where it is")
     p.add_argument("model", help="smollm2-135m-instruct, tiny, a folder or a .gguf file")
-    p.set_defaults(func=lambda args: __import__("worker.model_source",
+    p.set_defaults(func=lambda args: __import__("worker.model.model_source",
                                                 fromlist=["main"]).main(args))
 
     p = sub.add_parser("make-model", help="write a small checkpoint folder")
     p.add_argument("--preset", default="tiny")
     p.add_argument("--out", default=None, help="output folder (default: a folder per preset)")
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=lambda args: __import__("worker.make_model", fromlist=["main"]).main(args))
+    p.set_defaults(func=lambda args: __import__("worker.tools.make_model",
+                                                fromlist=["main"]).main(args))
 
 
 def register_bench(bench_sub) -> None:

@@ -11,7 +11,7 @@ import yaml
 
 from gateway.metrics import Metrics
 from tests.deploy.conftest import DASHBOARD, DATASOURCES, DEPLOY, dashboard_targets
-from worker.metrics import WorkerMetrics
+from worker.server.metrics import WorkerMetrics
 
 # What an operator must see at a glance (the titles the dashboard is reviewed against).
 REQUIRED_PANELS = {

@@ -41,8 +41,8 @@ def test_a_failure_names_op_shape_and_dtype():
 def test_worker_check_refuses_a_model_whose_kernels_are_not_invariant(tiny_model, monkeypatch):
     """The worker's check on the tiny model passes, and fails (naming the CPU) once a split-K
     matmul stands in for the kernel: a fault no real worker can produce on demand."""
-    from worker.invariance_check import check
-    from worker.loader import load
+    from worker.model.invariance_check import check
+    from worker.model.loader import load
 
     loaded = load(tiny_model, dtype="float32", device="cpu", mode="batch_invariant")
     assert check(loaded) >= 0

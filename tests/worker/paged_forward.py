@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.attention_metadata import AttentionMetadata
-from worker.models.decoder import CausalLM
+from worker.engine.attention_metadata import AttentionMetadata
+from worker.model.decoder import CausalLM
 
 BLOCK_SIZE = 16
 

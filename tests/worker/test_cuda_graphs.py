@@ -1,6 +1,6 @@
-"""Decode-step padding of worker/cuda_graphs.py, on the CPU: the graphs' static buffers, padding
-rows and padding block, run eagerly (capture=False); the capture itself is covered on CUDA by
-tests/worker/test_gpu_engine.py.
+"""Decode-step padding of worker/engine/cuda_graphs.py, on the CPU: the graphs' static buffers,
+padding rows and padding block, run eagerly (capture=False); the capture itself is covered on
+CUDA by tests/worker/test_gpu_engine.py.
 
 Padding a decode batch up to a graph's batch size, and its block table up to the graph's width,
 must leave every real row's bits unchanged in batch_invariant mode; in default mode the padded
@@ -10,10 +10,10 @@ batch size moves the numbers (negative control).
 from __future__ import annotations
 
 from worker import bench_workloads as wl
-from worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from worker.engine import Engine
-from worker.engine_config import EngineConfig
-from worker.loader import load
+from worker.engine.config import EngineConfig
+from worker.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from worker.engine.engine import Engine
+from worker.model.loader import load
 
 _loaded: dict = {}
 

@@ -8,11 +8,11 @@ import random
 
 import pytest
 
-from worker.engine import AsyncEngine, Engine
-from worker.engine_config import EngineConfig
+from worker.engine.config import EngineConfig
+from worker.engine.engine import AsyncEngine, Engine
+from worker.engine.sequence import SamplingParams
 from worker.errors import EngineDead, InvalidRequest
-from worker.loader import load
-from worker.sequence import SamplingParams
+from worker.model.loader import load
 
 _loaded: dict = {}
 

@@ -14,12 +14,12 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import pre_tokenizers
 
-from worker.config import ModelConfigError
-from worker.engine import Engine
-from worker.engine_config import EngineConfig
-from worker.gguf_checkpoint import convert
-from worker.loader import load
-from worker.sequence import SamplingParams
+from worker.engine.config import EngineConfig
+from worker.engine.engine import Engine
+from worker.engine.sequence import SamplingParams
+from worker.model.config import ModelConfigError
+from worker.model.gguf_checkpoint import convert
+from worker.model.loader import load
 
 T = gguf.GGMLQuantizationType
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 64, 128, 2, 4, 2, 16
@@ -212,7 +212,7 @@ def _mkdir(path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def smollm2_gguf() -> Path:
-    from worker.model_source import DEFAULT_MODEL, PACKAGED, ModelUnavailable, packaged_file
+    from worker.model.model_source import DEFAULT_MODEL, PACKAGED, ModelUnavailable, packaged_file
 
     try:
         return packaged_file(PACKAGED[DEFAULT_MODEL])
@@ -237,7 +237,7 @@ def test_smollm2_tensors_equal_transformers_gguf_reader(smollm2_gguf, smollm2_fo
 def test_smollm2_tokenizer_matches_transformers(smollm2_gguf, smollm2_folder):
     from transformers import AutoTokenizer
 
-    from worker.tokenizer import Tokenizer
+    from worker.model.tokenizer import Tokenizer
 
     theirs = AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
     ours = Tokenizer.from_folder(smollm2_folder)

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from worker import bench_workloads as wl
-from worker.engine import Engine
-from worker.engine_config import EngineConfig
-from worker.loader import load
-from worker.make_model import PRESETS
-from worker.random_model import load_random
+from worker.engine.config import EngineConfig
+from worker.engine.engine import Engine
+from worker.model.loader import load
+from worker.model.random_model import load_random
+from worker.tools.make_model import PRESETS
 
 pytestmark = [
     pytest.mark.gpu,

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.worker.paged_forward import allocate, make_caches, step
-from worker.config import ModelConfigError
-from worker.loader import CheckpointError, load
+from worker.model.config import ModelConfigError
+from worker.model.loader import CheckpointError, load
 
 
 def test_round_trip_of_the_demo_checkpoint(tiny_model):

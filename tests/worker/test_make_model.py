@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from tests.worker.paged_forward import allocate, make_caches, step
-from worker import make_model as mm
-from worker.loader import load
-from worker.tokenizer import Tokenizer
-from worker.train_tokenizer import corpus_text
+from worker.model.loader import load
+from worker.model.tokenizer import Tokenizer
+from worker.tools import make_model as mm
+from worker.tools.train_tokenizer import corpus_text
 
 
 def _files(folder) -> dict[str, bytes]:

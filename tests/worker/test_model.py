@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.worker.paged_forward import allocate, make_caches, step
-from worker.loader import load
+from worker.model.loader import load
 
 _MODELS: dict[tuple[str, str], object] = {}
 

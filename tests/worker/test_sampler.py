@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from worker.ops import make_ops
-from worker.sampler import Sampler
-from worker.sequence import SamplingParams, Sequence
+from worker.engine.sampler import Sampler
+from worker.engine.sequence import SamplingParams, Sequence
+from worker.model.ops import make_ops
 
 V = 1000
 

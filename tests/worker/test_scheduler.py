@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from worker.block_manager import BlockManager
-from worker.scheduler import Scheduler
-from worker.sequence import SamplingParams, Sequence, SequenceStatus
+from worker.engine.block_manager import BlockManager
+from worker.engine.scheduler import Scheduler
+from worker.engine.sequence import SamplingParams, Sequence, SequenceStatus
 
 BS = 16
 

@@ -1,4 +1,4 @@
-"""Serving a choice (worker/serving.py): incremental detokenisation (O(length) decoding,
+"""Serving a choice (worker/server/generation.py): incremental detokenisation (O(length) decoding,
 partial UTF-8 held back, stop strings across token boundaries) and one choice served without
 merging queues."""
 
@@ -10,10 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from worker.engine import RequestOutput
-from worker.sequence import SamplingParams, TokenLogprob
-from worker.serving import Choice, generate
-from worker.tokenizer import Tokenizer
+from worker.engine.engine import RequestOutput
+from worker.engine.sequence import SamplingParams, TokenLogprob
+from worker.model.tokenizer import Tokenizer
+from worker.server.generation import Choice, generate
 
 
 class CountingTokenizer:
@@ -86,12 +86,12 @@ def test_a_stop_string_spanning_tokens_cuts_the_text(tok, per_step):
 
 
 def test_one_choice_is_served_without_a_merging_queue(tok, monkeypatch):
-    async def engine_stream(request_id, ids, params):
+    async def engine_stream(request_id, ids, params, validated=False):
+        assert validated  # the endpoint validated it once, before generate
         for i in range(5):
             yield output([ids[0] + i], finished=i == 4)
 
-    engine = SimpleNamespace(generate=engine_stream,
-                             engine=SimpleNamespace(validate=lambda ids, p: None))
+    engine = SimpleNamespace(generate=engine_stream)
     ctx = SimpleNamespace(engine=engine)
 
     def no_queue(*args, **kwargs):

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from worker.sequence import Sequence
+from worker.engine.sequence import Sequence
 
 _NO_HASH = None
 

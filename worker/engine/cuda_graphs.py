@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.attention_metadata import AttentionMetadata
-from worker.ops import KVCache
+from worker.engine.attention_metadata import AttentionMetadata
+from worker.model.ops import KVCache
 
 log = logging.getLogger(__name__)
 

@@ -12,12 +12,12 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from worker.block_manager import BlockManager
-from worker.engine_config import EngineConfig
+from worker.engine.block_manager import BlockManager
+from worker.engine.config import EngineConfig
+from worker.engine.model_runner import ModelRunner, StepResult
+from worker.engine.scheduler import Batch, Scheduler
+from worker.engine.sequence import SamplingParams, Sequence, TokenLogprob
 from worker.errors import EngineDead, InvalidRequest
-from worker.model_runner import ModelRunner, StepResult
-from worker.scheduler import Batch, Scheduler
-from worker.sequence import SamplingParams, Sequence, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +73,11 @@ class Engine:
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise InvalidRequest(f"token ids must be in [0, {vocab})", param="prompt")
 
-    def add(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
-        self.validate(token_ids, params)
+    def add(self, request_id: str, token_ids: list[int], params: SamplingParams, *,
+            validated: bool = False) -> None:
+        """Queue a sequence; `validated`: the caller has run `validate` on it already."""
+        if not validated:
+            self.validate(token_ids, params)
         seq = Sequence(request_id, list(token_ids), params, self.eos_token_ids)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -156,10 +159,21 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
 
-    async def generate(self, request_id: str, token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as they are produced; leaving early aborts the request."""
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequest if the request can never run (Engine.validate)."""
         self.engine.validate(token_ids, params)
+
+    async def generate(self, request_id: str, token_ids: list[int], params: SamplingParams, *,
+                       validated: bool = False) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as they are produced; leaving early aborts the request.
+        `validated`: the caller has run `validate` on it already (it is checked once, here or
+        there, always before it reaches the loop thread)."""
+        if not validated:
+            self.engine.validate(token_ids, params)
         if self._dead is not None:
             raise EngineDead(self._dead)
         outputs: asyncio.Queue = asyncio.Queue()
@@ -213,7 +227,7 @@ class AsyncEngine:
                 self._deliver_error(EngineDead(self._dead))
                 return False
             if message[0] == "add":
-                self.engine.add(*message[1:])
+                self.engine.add(*message[1:], validated=True)
             else:
                 out = self.engine.abort(message[1])
                 if out is not None:

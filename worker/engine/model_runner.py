@@ -14,13 +14,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from worker.attention_metadata import AttentionMetadata
-from worker.cuda_graphs import DecodeGraphs
-from worker.engine_config import CUDA_KV_MEMORY_FRACTION, DEFAULT_CPU_KV_MB, EngineConfig
-from worker.ops import make_ops
-from worker.sampler import Sampler
-from worker.scheduler import Batch
-from worker.sequence import Sequence, TokenLogprob
+from worker.engine.attention_metadata import AttentionMetadata
+from worker.engine.config import CUDA_KV_MEMORY_FRACTION, DEFAULT_CPU_KV_MB, EngineConfig
+from worker.engine.cuda_graphs import DecodeGraphs
+from worker.engine.sampler import Sampler
+from worker.engine.scheduler import Batch
+from worker.engine.sequence import Sequence, TokenLogprob
+from worker.model.ops import make_ops
 
 
 @dataclass

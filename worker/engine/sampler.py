@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.sequence import Sequence
+from worker.engine.sequence import Sequence
 
 
 @dataclass

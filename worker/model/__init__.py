@@ -1,13 +1,3 @@
-"""Decoder models. Qwen3, Qwen2 and Llama share one implementation (worker/models/decoder.py);
-ModelConfig records what differs between them (q/k norm, biases, RoPE scaling, tied embeddings)."""
-
-from __future__ import annotations
-
-from worker.config import ModelConfig
-from worker.models.decoder import CausalLM
-from worker.ops import Ops
-
-
-def build_model(config: ModelConfig, ops: Ops) -> CausalLM:
-    """An uninitialised model on torch's current default device; the loader fills its weights."""
-    return CausalLM(config, ops).eval()
+"""The model: decoder layers (Qwen3, Qwen2 and Llama share one implementation, decoder.py;
+ModelConfig records what differs between them), numeric ops by mode, the checkpoint loader
+(Hugging Face folders and GGUF files), where a model comes from, and the tokenizer."""

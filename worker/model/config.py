@@ -11,7 +11,7 @@ import torch
 
 from detgate.contract.constants import DTYPES
 
-# Architectures the decoder in worker/models implements, and whether each normalises q and k
+# Architectures the decoder in worker/model implements, and whether each normalises q and k
 # per head before RoPE (Qwen3 does, Llama and Qwen2 do not).
 ARCHITECTURES: dict[str, bool] = {
     "Qwen3ForCausalLM": True,

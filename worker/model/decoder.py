@@ -9,14 +9,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker.attention_metadata import AttentionMetadata
-from worker.config import ModelConfig
-from worker.models.layers.attention import Attention
-from worker.models.layers.linear import Linear
-from worker.models.layers.mlp import SwiGLU
-from worker.models.layers.rms_norm import RMSNorm
-from worker.models.layers.rotary import RotaryEmbedding
-from worker.ops import KVCache, Ops
+from worker.engine.attention_metadata import AttentionMetadata
+from worker.model.config import ModelConfig
+from worker.model.layers.attention import Attention
+from worker.model.layers.linear import Linear
+from worker.model.layers.mlp import SwiGLU
+from worker.model.layers.rms_norm import RMSNorm
+from worker.model.layers.rotary import RotaryEmbedding
+from worker.model.ops import KVCache, Ops
 
 
 class DecoderLayer(nn.Module):
@@ -108,3 +108,8 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return self.ops.linear(hidden, weight).float()
+
+
+def build_model(config: ModelConfig, ops: Ops) -> CausalLM:
+    """An uninitialised model on torch's current default device; the loader fills its weights."""
+    return CausalLM(config, ops).eval()

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from worker.config import ModelConfigError
-from worker.gguf_tokenizer import GGUFTokenizer, build_tokenizer
+from worker.model.config import ModelConfigError
+from worker.model.gguf_tokenizer import GGUFTokenizer, build_tokenizer
 
 # general.architecture -> the Hugging Face class the decoder implements
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -63,7 +63,7 @@ def architecture(meta: dict[str, Any]) -> str:
 
 
 def hf_config(meta: dict[str, Any], tensor_names: set[str], tok: GGUFTokenizer) -> dict[str, Any]:
-    """config.json of the model the metadata describes (the keys worker.config reads)."""
+    """config.json of the model the metadata describes (the keys worker.model.config reads)."""
     arch = architecture(meta)
     key = lambda name, default=None: meta.get(f"{arch}.{name}", default)  # noqa: E731
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))

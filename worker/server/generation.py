@@ -1,4 +1,4 @@
-"""From OpenAI requests to engine requests, and from engine outputs to OpenAI responses.
+"""From engine sequences to choices: the one layer of the server that talks to the engine.
 
 One request with n choices becomes n engine sequences (choice i seeded with seed + i), run
 concurrently; their outputs are merged into one stream (n = 1 needs no merging). Text is
@@ -11,47 +11,15 @@ aborted, which frees its blocks.
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from worker.engine import AsyncEngine, RequestOutput
-from worker.engine_config import EngineConfig
-from worker.errors import InvalidRequest
-from worker.protocol import ChatCompletionRequest, CompletionRequest, ScoreRequest
-from worker.sequence import SamplingParams, TokenLogprob
-from worker.tokenizer import Tokenizer
-
-
-@dataclass
-class ServingContext:
-    """The long-lived objects every handler needs (built in the app's lifespan)."""
-
-    engine: AsyncEngine
-    tokenizer: Tokenizer
-    config: EngineConfig
-    model_name: str
-    model_aliases: frozenset[str]
-    fingerprint: str
-    created: int = field(default_factory=lambda: int(time.time()))
-    _token_text: dict[int, str] = field(default_factory=dict)
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.engine.max_model_len
-
-    def check_model(self, name: str) -> None:
-        if name not in self.model_aliases:
-            raise InvalidRequest(f"model {name!r} does not exist; this worker serves "
-                                 f"{self.model_name!r}", param="model", code="model_not_found")
-
-    def token_text(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self._token_text[token_id] = self.tokenizer.id_to_token(token_id)
-        return text
+from worker.engine.engine import RequestOutput
+from worker.engine.sequence import SamplingParams, TokenLogprob
+from worker.model.tokenizer import Tokenizer
+from worker.server.context import ServingContext
 
 
 @dataclass
@@ -131,39 +99,12 @@ class Choice:
         return out
 
 
-def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                    num_logprobs: int | None, choice: int) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=max(req.top_k, 0),
-        seed=None if req.seed is None else req.seed + choice,
-        logprobs=num_logprobs,
-        prompt_logprobs=req.prompt_logprobs,
-        stop_token_ids=tuple(req.stop_token_ids or ()),
-        ignore_eos=req.ignore_eos,
-    )
-
-
-def prompt_ids(ctx: ServingContext, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
-    if isinstance(req, ChatCompletionRequest):
-        return ctx.tokenizer.encode_chat([m.as_template_input() for m in req.messages])
-    return list(req.prompt) if isinstance(req.prompt, list) else ctx.tokenizer.encode(req.prompt)
-
-
-def check_n(ctx: ServingContext, n: int) -> None:
-    if n > ctx.config.max_n:
-        raise InvalidRequest(f"n must be at most {ctx.config.max_n}", param="n")
-
-
 async def generate(ctx: ServingContext, request_id: str, ids: list[int],
                    params: list[SamplingParams], choices: list[Choice]
                    ) -> AsyncIterator[tuple[Choice, RequestOutput]]:
     """Run every choice's sequence; yield (choice, output) as outputs arrive. Leaving early
-    (client gone, error) aborts every unfinished sequence."""
-    for p in params:  # fail before anything is queued
-        ctx.engine.engine.validate(ids, p)
+    (client gone, error) aborts every unfinished sequence. The caller has validated every
+    sequence (`ctx.engine.validate`), before answering anything."""
     if len(choices) == 1:
         async with aclosing(_outputs(ctx, request_id, ids, params[0], choices[0])) as outs:
             async for out in outs:
@@ -201,27 +142,13 @@ async def generate(ctx: ServingContext, request_id: str, ids: list[int],
 async def _outputs(ctx: ServingContext, request_id: str, ids: list[int], params: SamplingParams,
                    choice: Choice) -> AsyncIterator[RequestOutput]:
     """One choice's sequence, each output added to the choice before it is yielded."""
-    stream = ctx.engine.generate(f"{request_id}-{choice.index}", ids, params)
+    stream = ctx.engine.generate(f"{request_id}-{choice.index}", ids, params, validated=True)
     async with aclosing(stream):
         async for out in stream:
             choice.add(out)
             yield out
             if choice.finish_reason is not None:
                 break  # a stop string: closing the stream aborts the sequence
-
-
-async def score(ctx: ServingContext, req: ScoreRequest) -> list[float]:
-    """Teacher-forced logprobs of token_ids[start:], from one prefill of the whole sequence that
-    reuses no cached K/V."""
-    ctx.check_model(req.model)
-    if req.start >= len(req.token_ids):
-        raise InvalidRequest("start must be smaller than the number of token ids", param="start")
-    params = SamplingParams(max_tokens=0, prompt_logprobs=0, single_pass=True)
-    choice = Choice(0, ctx.tokenizer, [])
-    async for _ in generate(ctx, new_id("score"), req.token_ids, [params], [choice]):
-        pass
-    assert choice.prompt_logprobs is not None
-    return [t.logprob for t in choice.prompt_logprobs[req.start - 1:]]
 
 
 def new_id(prefix: str) -> str:

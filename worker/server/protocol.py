@@ -1,7 +1,7 @@
 """Request and response models of the worker's HTTP API: OpenAI shapes plus vLLM's extensions
 (`return_token_ids`, `prompt_logprobs`, `top_k`, `ignore_eos`, `stop_token_ids`) and /v1/score.
 
-Validation errors raised here become 400s in the OpenAI error shape (see server.py).
+Validation errors raised here become 400s in the OpenAI error shape (see app.py).
 Logprobs are Python floats made from float32 values, so they are exact and round-trip
 through JSON unchanged.
 """

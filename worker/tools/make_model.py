@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from worker.train_tokenizer import SPECIAL_TOKENS, chat_template, train_bpe
+from worker.tools.train_tokenizer import SPECIAL_TOKENS, chat_template, train_bpe
 
 # Std of the logits at initialisation: wide enough that greedy decoding wanders across the
 # vocabulary and logprobs sit well away from uniform, narrow enough that it is not one-hot.

@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker.attention_metadata import AttentionMetadata
-from worker.config import ModelConfig
-from worker.models.layers.linear import Linear
-from worker.models.layers.rms_norm import RMSNorm
-from worker.models.layers.rotary import RotaryEmbedding
-from worker.ops import KVCache, Ops
+from worker.engine.attention_metadata import AttentionMetadata
+from worker.model.config import ModelConfig
+from worker.model.layers.linear import Linear
+from worker.model.layers.rms_norm import RMSNorm
+from worker.model.layers.rotary import RotaryEmbedding
+from worker.model.ops import KVCache, Ops
 
 
 class Attention(nn.Module):

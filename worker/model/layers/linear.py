@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker.ops import Ops
+from worker.model.ops import Ops
 
 
 class Linear(nn.Module):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker.config import ModelConfig
-from worker.models.layers.linear import Linear
-from worker.ops import Ops
+from worker.model.config import ModelConfig
+from worker.model.layers.linear import Linear
+from worker.model.ops import Ops
 
 
 class SwiGLU(nn.Module):

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from worker.config import RopeScaling
+from worker.model.config import RopeScaling
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:

@@ -1,0 +1,1 @@
+"""Checkpoint tooling behind the CLI: `detgate make-model` and the demo tokenizer's training."""
