@@ -3,10 +3,16 @@
 Each part runs as its own process, exactly as it would in a deployment; this module only
 supervises them: it starts them in dependency order, waits until each answers, prints where
 they are, and stops all of them when one dies or on Ctrl-C.
+
+The children must not outlive the supervisor: a SIGKILLed `detgate up` cannot stop them, so
+on Linux each child asks the kernel (PR_SET_PDEATHSIG) for a SIGKILL when its parent dies.
+They run in sessions of their own (a Ctrl-C in the terminal reaches only the supervisor,
+which stops them in order), and the death signal is independent of the process group.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
@@ -51,6 +57,39 @@ def reachable(host: str, port: int, timeout: float = 0.5) -> bool:
         return False
 
 
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def _die_with(parent: int):
+    """A `preexec_fn` for children of `parent` (the supervisor): SIGKILL when it dies.
+
+    SIGKILL, not SIGTERM: nothing is left to wait for a graceful stop, and every child is safe
+    to kill (the gateway answers 2xx only for durable records; Redis has written its AOF)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def arm() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the supervisor died before the signal was armed
+            os._exit(1)
+
+    return arm
+
+
+def served_port(host: str, port: int) -> bool:
+    """Something answers on the port, or holds it so that our gateway could not bind it."""
+    if reachable(host, port):
+        return True
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 @dataclass
 class Stack:
     """The child processes of one `detgate up`, stopped in reverse order of start."""
@@ -63,6 +102,7 @@ class Stack:
             popen = subprocess.Popen(
                 args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                preexec_fn=_die_with(os.getpid()),
             )
         self.children.append((name, popen))
 
@@ -126,6 +166,13 @@ def main(args) -> int:
     logs = root / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     cli = [sys.executable, "-m", "detgate.cli"]
+    if served_port("127.0.0.1", args.port):
+        # Checked first: otherwise an old stack (or an orphan of a killed `detgate up`) would
+        # answer our readiness check while our own gateway fails to bind.
+        print(f"detgate up: port {args.port} is already in use (another detgate up, or a "
+              "process left from one?); stop it or choose another with --port",
+              file=sys.stderr)
+        return 1
     stack = Stack(logs)
     # SIGTERM is handled like Ctrl-C so that supervisors (and tests) stop the stack cleanly.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -136,7 +183,9 @@ def main(args) -> int:
         model = args.model
         # Prepared once here (a GGUF dequantised, a preset written), so that N workers neither
         # race nor repeat it; they find it ready under the state dir.
-        if subprocess.run([*cli, "prepare-model", model], stdout=subprocess.DEVNULL).returncode:
+        prepare = subprocess.run([*cli, "prepare-model", model], stdout=subprocess.DEVNULL,
+                                 preexec_fn=_die_with(os.getpid()))
+        if prepare.returncode:
             raise RuntimeError(f"model {model!r} is not available (see above)")
         workers = []
         for i in range(args.workers):
