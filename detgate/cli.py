@@ -16,6 +16,7 @@ from detgate import __version__
 def build_parser() -> argparse.ArgumentParser:
     from detgate import up
     from detgate.audit import cli as audit_cli
+    from detgate.bench import cli as bench_cli
     from gateway import cli as gateway_cli
     from kernels import cli as kernels_cli
     from worker import cli as worker_cli
@@ -33,8 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks, measured side by side in one run")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="TARGET")
-    worker_cli.register_bench(bench_sub)
-    worker_cli.register_bench_model(bench_sub)
+    bench_cli.register_bench(bench_sub)
     gateway_cli.register_bench(bench_sub)
     kernels_cli.register_bench(bench_sub)
     return parser

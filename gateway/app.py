@@ -15,6 +15,7 @@ from gateway.config import Settings
 from gateway.forward import Forwarder
 from gateway.guard import OpenModeGuard
 from gateway.interrupts import Drain, Interrupts
+from gateway.limits import Limits
 from gateway.metrics import Metrics, endpoint_label
 from gateway.recorder import Recorder
 from gateway.router import Router, worker_name
@@ -59,7 +60,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     if auth.open_mode and not settings.is_loopback():
         raise ValueError("DETGATE_API_KEYS is unset (open mode), which is allowed only on a "
                          f"loopback address, not {settings.host}")
-    metrics = Metrics([worker_name(url) for url in settings.workers])
+    limits = Limits(settings.tenant_limits, settings.max_record_bytes)
+    metrics = Metrics([worker_name(url) for url in settings.workers], tuple(limits.labels))
     interrupts = Interrupts()
     drain = Drain(interrupts)
 
@@ -81,7 +83,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                               attempt_timeout_s=settings.attempt_timeout_s,
                               first_byte_timeout_s=settings.first_byte_timeout_s)
         svc = Services(settings, auth, metrics, upstream, recorder, router, forwarder,
-                       interrupts, drain)
+                       interrupts, drain, limits)
         app.state.services = svc
         await recorder.ping()
         watchers = [asyncio.create_task(router.watch(settings.health_interval_s)),

@@ -5,11 +5,16 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import re
 from pathlib import Path
 from typing import Annotated
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from gateway.limits import TenantLimits
+
+_TENANT = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # as in DETGATE_API_KEYS
 
 
 def _split_commas(value: object) -> object:
@@ -49,6 +54,12 @@ class Settings(BaseSettings):
     max_stop: int = Field(4, ge=0)
     max_score_tokens: int = Field(32768, gt=0)
     max_replay_load: int = Field(64, ge=0)
+
+    # Per-tenant limits (gateway/limits.py): a JSON object from tenant (or "*" for the rest)
+    # to {"requests_per_s", "tokens_per_s", "storage_bytes", "max_record_bytes", "name"}.
+    tenant_limits: Annotated[dict[str, TenantLimits], NoDecode] = Field(default_factory=dict)
+    # A record larger than this (its JSON) is stored as a bounded summary (gateway/summary.py).
+    max_record_bytes: int = Field(16 << 20, ge=4096)
 
     # Durability: while Redis is unreachable, records are appended (fsynced) to a spool file
     # under `spool_dir` and drained into Redis, in order, when it answers again. 0 disables it.
@@ -98,6 +109,17 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             text = value.strip()
             return json.loads(text) if text.startswith("{") else ({"*": text} if text else {})
+        return value
+
+    @field_validator("tenant_limits", mode="before")
+    @classmethod
+    def _limits(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = json.loads(value) if value.strip() else {}
+        if isinstance(value, dict):
+            bad = [t for t in value if t != "*" and not _TENANT.match(str(t))]
+            if bad:
+                raise ValueError(f"DETGATE_TENANT_LIMITS: {bad[0]!r} is neither a tenant nor '*'")
         return value
 
     @field_validator("workers")

@@ -69,6 +69,16 @@ class PayloadTooLarge(GatewayError):
     code = "request_too_large"
 
 
+class RateLimited(GatewayError):
+    """Over one of the tenant's limits; `code` names which (gateway/limits.py)."""
+
+    status = 429
+    type = "rate_limit_error"
+
+    def __init__(self, message: str, *, code: str, retry_after_s: int) -> None:
+        super().__init__(message, code=code, headers={"Retry-After": str(retry_after_s)})
+
+
 class UpstreamRejected(GatewayError):
     """A worker answered 4xx: its message and status reach the client unchanged."""
 

@@ -24,3 +24,12 @@ class Keys:
     def index(self, tenant: str) -> str:
         """Sorted set: record ids scored by creation time, for listing newest first."""
         return f"{self.prefix}:idx:{tenant}"
+
+    def stored(self, tenant: str) -> str:
+        """String: the bytes of the tenant's live records (the storage budget's total)."""
+        return f"{self.prefix}:sto:{tenant}"
+
+    def expiries(self, tenant: str) -> str:
+        """Sorted set: `<record id>:<bytes>` scored by the record's expiry time, so that the
+        total can be lowered exactly as records expire."""
+        return f"{self.prefix}:exp:{tenant}"

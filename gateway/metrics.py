@@ -1,8 +1,9 @@
 """The gateway's Prometheus metrics, exactly as the contract names them, in one registry per app.
 
 Labels come from small fixed sets: endpoint templates, HTTP status codes, configured worker
-names (URLs without user-info), record and replay results. Never a request id, key, password
-or prompt.
+names (URLs without user-info), record and replay results, tenant names given in
+DETGATE_TENANT_LIMITS (every other tenant is "other"). Never a request id, key, password,
+tenant id or prompt.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/score", "/v1/models
              "/v1/requests", "/v1/requests/{id}", "/replay/{id}", "/metrics", "/healthz",
              "/readyz", "/openapi.json")
 
+TENANT_RESULTS = ("admitted", "requests_per_s_exceeded", "tokens_per_s_exceeded",
+                  "storage_budget_exceeded")
+SUMMARY_REASONS = ("record_too_large", "refused")
+
 
 def endpoint_label(path: str) -> str:
     """The route template for a path, so the label set stays small whatever clients send."""
@@ -34,7 +39,7 @@ def endpoint_label(path: str) -> str:
 
 
 class Metrics:
-    def __init__(self, workers: list[str]) -> None:
+    def __init__(self, workers: list[str], tenants: tuple[str, ...] = ("other",)) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("detgate_requests_total", "HTTP requests answered",
@@ -70,7 +75,26 @@ class Metrics:
                                  registry=r)
         self.worker_inflight = Gauge("detgate_worker_inflight", "Requests outstanding per worker",
                                      ["worker"], registry=r)
+        self.tenant_requests = Counter(
+            "detgate_tenant_requests_total", "Inference requests per tenant: admitted, or the "
+            "limit that refused them", ["tenant", "result"], registry=r)
+        self.tenant_tokens = Counter("detgate_tenant_tokens_total",
+                                     "Tokens (usage.total_tokens) charged per tenant",
+                                     ["tenant"], registry=r)
+        self.tenant_stored_bytes = Gauge(
+            "detgate_tenant_stored_bytes", "A named tenant's record bytes in Redis, as last seen",
+            ["tenant"], registry=r)
+        self.records_summarised = Counter(
+            "detgate_records_summarised_total", "Records stored as a bounded summary",
+            ["reason"], registry=r)
+        for tenant in tenants:
+            for result in TENANT_RESULTS:
+                self.tenant_requests.labels(tenant, result)
+            self.tenant_tokens.labels(tenant)
+        for reason in SUMMARY_REASONS:
+            self.records_summarised.labels(reason)
         self._request_children: dict[tuple[str, int], tuple] = {}
+        self._tenant_children: dict[tuple[str, str], Counter] = {}
         self._upstream_children: dict[str, Histogram] = {}
         self.records_stored = self.records.labels("stored")
         self.records_failed = self.records.labels("failed")
@@ -93,6 +117,15 @@ class Metrics:
         children[1].observe(elapsed_s)
         if upstream_s is not None:
             self.overhead.observe(max(elapsed_s - upstream_s, 0.0))
+
+    def count_tenant(self, tenant: str, result: str, tokens: int = 0) -> None:
+        """An admitted or refused request (`result`), or `tokens` charged, for a tenant label."""
+        key = (tenant, result)
+        child = self._tenant_children.get(key)
+        if child is None:
+            child = self._tenant_children[key] = (self.tenant_tokens.labels(tenant) if tokens
+                                                  else self.tenant_requests.labels(*key))
+        child.inc(tokens or 1)
 
     def observe_upstream(self, worker: str, seconds: float) -> None:
         child = self._upstream_children.get(worker)

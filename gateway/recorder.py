@@ -8,12 +8,19 @@ records wait to be drained) records go to the on-disk spool (gateway/spool.py), 
 costs no answers. Only when the spool is full or unwritable too are new inference requests
 refused (503 + Retry-After) before any work. A background ping marks Redis up again and
 drains the spool into it in order; redis-py's pool reconnects by itself.
+
+Storage accounting (the tenants' storage budgets, gateway/limits.py): each record write adds
+its bytes to the tenant's total and `<id>:<bytes>` to a sorted set scored by the record's
+expiry; every write (and every read of the total) first subtracts the records whose expiry
+has passed. One Lua script does the record, its index entry and the accounting, so a write
+stays one round trip and the total stays exact across gateways, restarts and expiry.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +43,60 @@ def dumps(obj: dict) -> bytes:
 
 def loads(data: bytes) -> dict:
     return orjson.loads(data)
+
+
+# Subtract records expired by ARGV[1] (at most 1000 a call: the rest on the next one) from the
+# total KEYS[1], then return the total and the earliest expiry still counted.
+_EXPIRE_LUA = """
+local function settle(total_key, exp_key, now)
+  local gone = redis.call('ZRANGEBYSCORE', exp_key, '-inf', now, 'LIMIT', 0, 1000)
+  if #gone > 0 then
+    local freed = 0
+    for _, member in ipairs(gone) do
+      freed = freed + tonumber(string.match(member, ':(%d+)$'))
+    end
+    redis.call('ZREM', exp_key, unpack(gone))
+    if redis.call('EXISTS', total_key) == 1 then
+      redis.call('DECRBY', total_key, freed)
+    end
+  end
+  local first = redis.call('ZRANGE', exp_key, 0, 0, 'WITHSCORES')
+  return {tonumber(redis.call('GET', total_key) or '0'), first[2] or false}
+end
+"""
+
+# KEYS: record, index, total, expiries; ARGV: now, record JSON, ttl_s, id, created, member.
+# The member is `<id>:<bytes>`: the same record written again (a retry, a spool drain) is
+# counted once; a record id is never rewritten with other bytes.
+_WRITE_LUA = _EXPIRE_LUA + """
+local ttl = tonumber(ARGV[3])
+redis.call('SET', KEYS[1], ARGV[2], 'EX', ttl)
+redis.call('ZADD', KEYS[2], ARGV[5], ARGV[4])
+redis.call('EXPIRE', KEYS[2], ttl)
+local total = settle(KEYS[3], KEYS[4], ARGV[1])
+if redis.call('ZADD', KEYS[4], tonumber(ARGV[1]) + ttl, ARGV[6]) == 1 then
+  total[1] = redis.call('INCRBY', KEYS[3], string.len(ARGV[2]))
+end
+redis.call('EXPIRE', KEYS[3], ttl)
+redis.call('EXPIRE', KEYS[4], ttl)
+return total
+"""
+
+# KEYS: total, expiries; ARGV: now.
+_STORED_LUA = _EXPIRE_LUA + "return settle(KEYS[1], KEYS[2], ARGV[1])"
+
+
+@dataclass
+class Stored:
+    """A tenant's record bytes in Redis, and seconds until the oldest of them expires."""
+
+    total: int
+    frees_in_s: int
+
+    @classmethod
+    def parse(cls, reply: list, now: float) -> Stored:
+        first = float(reply[1]) if reply[1] else now
+        return cls(int(reply[0]), max(1, math.ceil(first - now)))
 
 
 @dataclass
@@ -64,6 +125,8 @@ class Recorder:
         self.retry_after_s = retry_after_s
         self.spool = spool or Spool(Path(), 0)  # without one: a Redis outage answers 503
         self.up = True
+        self._write_script = self.redis.register_script(_WRITE_LUA)
+        self._stored_script = self.redis.register_script(_STORED_LUA)
 
     def _unavailable(self, exc: Exception | None = None) -> RecorderUnavailable:
         if exc is not None:
@@ -103,30 +166,43 @@ class Recorder:
                 except (RedisError, OSError) as exc:
                     self._unavailable(exc)
 
-    async def save(self, tenant: str, record: dict) -> bool:
-        """Make a record durable: in Redis, or (Redis down, or spooled records still waiting,
-        which keeps their order) in the spool. True when spooled; RecorderUnavailable when
-        neither can take it."""
+    async def save(self, tenant: str, record: dict, data: bytes | None = None) -> Stored | None:
+        """Make a record (`data`: its JSON, when already serialised) durable: in Redis, or
+        (Redis down, or spooled records still waiting, which keeps their order) in the spool.
+        The tenant's stored bytes when written to Redis; None when spooled;
+        RecorderUnavailable when neither can take it."""
         if self.up and not self.spool.entries:
             try:
-                await self._write(tenant, record)
-                return False
+                return await self._write(tenant, record, data)
             except (RedisError, OSError) as exc:
                 self._unavailable(exc)
         try:
             await self.spool.append(tenant, record)
         except SpoolFull as exc:
             raise self._unavailable() from exc
-        return True
+        return None
 
-    async def _write(self, tenant: str, record: dict) -> None:
-        """Write a record and index it, in one MULTI/EXEC (idempotent: a retry rewrites it)."""
-        idx = self.keys.index(tenant)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.set(self.keys.record(tenant, record["id"]), dumps(record), ex=self.ttl_s)
-            pipe.zadd(idx, {record["id"]: record["created"]})
-            pipe.expire(idx, self.ttl_s)
-            await pipe.execute()
+    async def _write(self, tenant: str, record: dict, data: bytes | None = None) -> Stored:
+        """Write a record, index it and account its bytes, atomically (idempotent: a retry
+        rewrites it and counts its bytes once)."""
+        data = dumps(record) if data is None else data
+        at = time.time()
+        keys = [self.keys.record(tenant, record["id"]), self.keys.index(tenant),
+                self.keys.stored(tenant), self.keys.expiries(tenant)]
+        reply = await self._write_script(keys=keys, args=[
+            at, data, self.ttl_s, record["id"], record["created"],
+            f"{record['id']}:{len(data)}"])
+        return Stored.parse(reply, at)
+
+    async def stored(self, tenant: str) -> Stored:
+        """The tenant's record bytes now (expired records subtracted)."""
+        at = time.time()
+        try:
+            reply = await self._stored_script(
+                keys=[self.keys.stored(tenant), self.keys.expiries(tenant)], args=[at])
+        except (RedisError, OSError) as exc:
+            raise self._unavailable(exc) from exc
+        return Stored.parse(reply, at)
 
     async def get(self, tenant: str, record_id: str) -> tuple[dict, int] | None:
         """The record with its replays, and its remaining lifetime in ms; None if absent."""

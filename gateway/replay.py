@@ -46,6 +46,10 @@ async def replay(svc: Services, tenant: str, record_id: str, load: int) -> dict:
     if record["status"] != "complete":
         raise Conflict(f"record '{record_id}' is {record['status']}: nothing to compare",
                        code="record_not_complete")
+    if "summary" in record:
+        raise Conflict(f"record '{record_id}' is stored as a summary "
+                       f"({record['summary']['reason']}): it cannot be replayed",
+                       code="record_summarised")
     try:
         worker = svc.router.choose(record["model"], fingerprint=record["system_fingerprint"])
         comparison = await _run(svc, record, worker, load)

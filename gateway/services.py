@@ -12,13 +12,20 @@ from fastapi import Request
 
 from gateway.auth import Authenticator
 from gateway.config import Settings
-from gateway.errors import PayloadTooLarge, RecorderUnavailable, RequestTimeout
+from gateway.errors import (
+    PayloadTooLarge,
+    RateLimited,
+    RecorderUnavailable,
+    RequestTimeout,
+)
 from gateway.forward import Forwarder
 from gateway.interrupts import Drain, Interrupts
+from gateway.limits import UNNAMED, Limits
 from gateway.metrics import Metrics
 from gateway.protocol import CHAT
-from gateway.recorder import Recorder
+from gateway.recorder import Recorder, dumps
 from gateway.router import Router
+from gateway.summary import summarise
 from gateway.upstream import Upstream
 
 log = logging.getLogger("detgate.gateway")
@@ -35,6 +42,7 @@ class Services:
     forwarder: Forwarder
     interrupts: Interrupts
     drain: Drain
+    limits: Limits
     background: set[asyncio.Task] = field(default_factory=set)
 
     def spawn(self, coro: Coroutine) -> None:
@@ -43,19 +51,59 @@ class Services:
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 
-    async def save(self, tenant: str, record: dict) -> None:
-        """Durable when this returns (in Redis or the spool); RecorderUnavailable if not."""
+    async def admit(self, tenant: str) -> None:
+        """Let a request in, or raise RateLimited (counted per tenant either way)."""
+        label = self.limits.state(tenant).label
+        if self.limits.needs_storage_figure(tenant) and self.recorder.up:
+            try:
+                stored = await self.recorder.stored(tenant)
+            except RecorderUnavailable:
+                pass  # checked against the last figure; the record goes to the spool
+            else:
+                self._note_stored(tenant, label, stored)
         try:
-            spooled = await self.recorder.save(tenant, record)
+            self.limits.admit(tenant)
+        except RateLimited as exc:
+            self.metrics.count_tenant(label, exc.code)
+            raise
+        self.metrics.count_tenant(label, "admitted")
+
+    def charge_tokens(self, tenant: str, usage: dict | None) -> None:
+        tokens = self.limits.charge_tokens(tenant, usage)
+        if tokens:
+            self.metrics.count_tenant(self.limits.state(tenant).label, "tokens", tokens)
+
+    def _note_stored(self, tenant: str, label: str, stored) -> None:
+        self.limits.note_storage(tenant, stored.total, stored.frees_in_s)
+        if label != UNNAMED:  # a total shared by unnamed tenants would mean nothing
+            self.metrics.tenant_stored_bytes.labels(label).set(stored.total)
+
+    async def save(self, tenant: str, record: dict, *, refused: bool = False) -> None:
+        """Durable when this returns (in Redis or the spool); RecorderUnavailable if not.
+        A refused request's record, or one over the tenant's maximum size, is stored as a
+        bounded summary."""
+        data = dumps(record)
+        limit = self.limits.max_record_bytes(tenant)
+        if refused or len(data) > limit:
+            reason = "refused" if refused else "record_too_large"
+            record = summarise(record, reason, len(data), None if refused else limit)
+            data = dumps(record)
+            self.metrics.records_summarised.labels(reason).inc()
+        try:
+            stored = await self.recorder.save(tenant, record, data)
         except RecorderUnavailable:
             self.metrics.records_failed.inc()
             raise
-        (self.metrics.records_spooled if spooled else self.metrics.records_stored).inc()
+        if stored is None:
+            self.metrics.records_spooled.inc()  # durable, not yet in Redis
+        else:
+            self.metrics.records_stored.inc()
+            self._note_stored(tenant, self.limits.state(tenant).label, stored)
 
-    async def save_quietly(self, tenant: str, record: dict) -> None:
+    async def save_quietly(self, tenant: str, record: dict, *, refused: bool = False) -> None:
         """For answers already (partly) sent: a failed write is counted and logged."""
         try:
-            await self.save(tenant, record)
+            await self.save(tenant, record, refused=refused)
         except RecorderUnavailable:
             log.warning("record %s (%s) not stored: Redis unavailable", record["id"],
                         record["status"])

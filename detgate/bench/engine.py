@@ -69,9 +69,9 @@ def build(config: EngineConfig) -> Engine:
 
 def main(args) -> int:
     if args.device == "cuda":  # the GPU experiment: determinism, cost and trainer check
-        from worker import bench_gpu
+        from detgate.bench import engine_gpu
 
-        return bench_gpu.main(bench_gpu.from_bench_args(args))
+        return engine_gpu.main(engine_gpu.from_bench_args(args))
     if args.threads:
         torch.set_num_threads(args.threads)
     base = EngineConfig.from_args(args)

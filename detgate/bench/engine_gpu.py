@@ -1,9 +1,11 @@
 """The engine experiment of issue 5, in one process: determinism, cost and the trainer check,
 both numeric modes side by side, the Engine driven in process (no HTTP server needed).
 
-    PYTHONPATH=. python -m worker.bench_gpu --out OUT_DIR          # CUDA, qwen3-8b-shape, bf16
-    PYTHONPATH=. python -m worker.bench_gpu --device cpu --model tiny --dtype float32 --small \\
-        --out OUT_DIR                                               # the same code on a CPU
+    # CUDA, qwen3-8b-shape, bf16:
+    PYTHONPATH=. python -m detgate.bench.engine_gpu --out OUT_DIR
+    # the same code on a CPU:
+    PYTHONPATH=. python -m detgate.bench.engine_gpu --device cpu --model tiny --dtype float32 \\
+        --small --out OUT_DIR
 
 1. Determinism: N identical temperature-0 requests among random concurrent traffic (arrivals
    vary step by step): unique completions, the most common's count, first divergences, and
@@ -32,9 +34,9 @@ from pathlib import Path
 
 import torch
 
+from detgate.bench.report import REFERENCE, environment, summary_table
 from detgate.contract.constants import DTYPES, MODES
-from worker import bench_workloads as wl
-from worker.bench_report import REFERENCE, environment, summary_table
+from worker.engine import offline as wl
 from worker.engine.attention_metadata import AttentionMetadata
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
@@ -53,7 +55,7 @@ def log(*parts) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m worker.bench_gpu", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m detgate.bench.engine_gpu", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder for engine-gpu.json")
     p.add_argument("--model", default="qwen3-8b-shape", help="a preset (random weights) or folder")
@@ -281,7 +283,7 @@ class Experiment:
 
     def run(self) -> None:
         if self.args.device == "cuda":
-            from worker.gpu_selfcheck import kernel_check
+            from detgate.bench.gpu_selfcheck import kernel_check
 
             self.phase("kernel_check", kernel_check)
         self.phase("build", self.build)

@@ -1,5 +1,5 @@
 """A quick self-check of every CUDA kernel the batch_invariant engine uses, run before the
-engine experiment (worker/bench_gpu.py): on a small input each kernel must run, be close to
+engine experiment (detgate/bench/engine_gpu.py): on a small input each kernel must run, be close to
 torch, and give a row the same bits alone as in a batch. A failure here names the kernel behind
 a failed batch_invariant phase; the experiment goes on either way.
 """

@@ -1,4 +1,4 @@
-"""The engine experiment's environment record and its README table (worker/bench_gpu.py)."""
+"""The engine experiment's environment record and its README table (detgate/bench/engine_gpu.py)."""
 
 from __future__ import annotations
 

@@ -23,6 +23,7 @@ from detgate.contract.record import Record, RecordChoice
 from gateway import protocol, responses
 from gateway.errors import (
     GatewayError,
+    RateLimited,
     RecorderUnavailable,
     ShuttingDown,
     UpstreamFailed,
@@ -62,6 +63,15 @@ async def _handle(request: Request, endpoint: str) -> Response:
         raise ShuttingDown("the gateway is shutting down; retry on another instance")
     svc.recorder.ensure_up()
     record_id = new_record_id(endpoint)
+    try:
+        await svc.admit(tenant)
+    except RateLimited as exc:
+        # Recorded too, as a bounded summary: a flood of refusals stores little.
+        exc.headers[RECORD_HEADER] = record_id
+        await svc.save_quietly(tenant, _record(parsed, record_id, None, None, "failed",
+                                               choices=[], usage=None, error=exc.message),
+                               refused=True)
+        raise
     deadline = time.monotonic() + svc.settings.total_timeout_s
     if parsed.stream:
         return await _stream(svc, request, tenant, parsed, record_id, deadline)
@@ -102,6 +112,7 @@ async def _whole(svc: Services, request: Request, tenant: str, parsed: ParsedReq
     own = answer.get("system_fingerprint")
     svc.router.learn(sent.worker, own)
     fingerprint = own or sent.worker.fingerprint
+    svc.charge_tokens(tenant, answer.get("usage"))
     await svc.save(tenant, _record(
         parsed, record_id, sent.worker.name, fingerprint, "complete",
         choices=responses.record_choices(parsed.is_chat, answer), usage=answer.get("usage"),
@@ -212,6 +223,7 @@ async def _relay(svc: Services, request: Request, tenant: str, parsed: ParsedReq
         request.state.upstream_s = elapsed
         svc.metrics.observe_upstream(worker.name, elapsed)
     svc.router.learn(worker, acc.fingerprint)
+    svc.charge_tokens(tenant, acc.usage)
     try:
         await svc.save(tenant, record())
     except RecorderUnavailable as exc:

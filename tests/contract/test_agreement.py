@@ -16,7 +16,7 @@ from detgate.audit.client import parse_response
 from detgate.contract.compare import compare_choices
 from detgate.contract.record import RecordChoice
 from gateway import responses
-from worker.bench_workloads import Completion, determinism_measures
+from worker.engine.offline import Completion, determinism_measures
 
 
 def answer(ids: list[int], logprobs: list[float]) -> dict:

@@ -65,7 +65,7 @@ async def test_every_key_has_a_ttl_and_the_write_is_indexed(recorder, redis_url)
     await recorder.add_replay("t1", "cmpl-a", {"replay_id": "rpl-1", "match": True}, found[1])
     client = sync_redis.Redis.from_url(redis_url)
     keys = list(client.scan_iter(match=f"{recorder.keys.prefix}:*"))
-    assert len(keys) == 3  # record, index, replays
+    assert len(keys) == 5  # record, index, replays, stored bytes, expiries
     for key in keys:
         assert 0 < client.ttl(key) <= 3600, key
     client.close()

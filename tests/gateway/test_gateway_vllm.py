@@ -252,6 +252,10 @@ CONTRACT_METRICS = {
     # Beyond the contract's table: the record spool's depth (records durable on disk while
     # Redis is away).
     "detgate_spool_records": "gauge", "detgate_spool_bytes": "gauge",
+    # Per-tenant limits (labelled by configured tenant names only), and records stored as
+    # bounded summaries.
+    "detgate_tenant_requests_total": "counter", "detgate_tenant_tokens_total": "counter",
+    "detgate_tenant_stored_bytes": "gauge", "detgate_records_summarised_total": "counter",
 }
 
 

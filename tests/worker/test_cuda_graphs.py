@@ -9,7 +9,7 @@ batch size moves the numbers (negative control).
 
 from __future__ import annotations
 
-from worker import bench_workloads as wl
+from worker.engine import offline as wl
 from worker.engine.config import EngineConfig
 from worker.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from worker.engine.engine import Engine

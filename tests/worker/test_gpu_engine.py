@@ -17,7 +17,7 @@ import dataclasses
 import pytest
 import torch
 
-from worker import bench_workloads as wl
+from worker.engine import offline as wl
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.model.loader import load

@@ -1,8 +1,8 @@
-"""The engine experiment's measures (worker/bench_workloads.py), on hand-made completions."""
+"""The engine experiment's measures (worker/engine/offline.py), on hand-made completions."""
 
 from __future__ import annotations
 
-from worker.bench_workloads import Completion, compare_scores, determinism_measures
+from worker.engine.offline import Completion, compare_scores, determinism_measures
 
 
 def test_determinism_measures_count_ids_and_logprob_bits():

@@ -1,4 +1,6 @@
-"""Workloads and measures of the engine experiment (worker/bench_gpu.py), driven in process.
+"""An Engine driven in process: request mixes, a driver with varying arrivals, and the
+determinism measures of what came out (the engine experiment, detgate/bench/engine_gpu.py, and
+the engine tests use them).
 
 A workload is a list of requests (token ids + sampling params) and an arrival rule: how many
 queued requests join the engine before each step. Varying arrivals make every request of
