@@ -10,7 +10,9 @@
   total, so a busy tenant is checked against a figure at most `STORAGE_FRESH_S` old at no
   cost; otherwise one Redis read refreshes it. The budget can be overshot by the records of
   requests already admitted (at most one per request in flight).
-- Refusals answer 429 with Retry-After and a code naming the limit.
+- Refusals answer 429 with Retry-After and a code naming the limit. `/v1/score` is held to
+  the rates (it costs a worker's time; charged its `token_ids`) but not to the storage
+  budget (it stores nothing).
 """
 
 from __future__ import annotations
@@ -112,12 +114,13 @@ class Limits:
         if retry_s is not None:
             st.storage_retry_s = max(1, retry_s)
 
-    def admit(self, tenant: str) -> None:
-        """Take one request from the tenant's allowance, or raise RateLimited."""
+    def admit(self, tenant: str, *, stores: bool = True) -> None:
+        """Take one request from the tenant's allowance, or raise RateLimited. A request that
+        `stores` no record (a score) is not held to the storage budget."""
         st = self.state(tenant)
         lim = st.limits
         now = time.monotonic()
-        if lim.storage_bytes is not None and st.stored_bytes >= lim.storage_bytes:
+        if stores and lim.storage_bytes is not None and st.stored_bytes >= lim.storage_bytes:
             raise RateLimited(
                 f"the tenant's record storage budget ({lim.storage_bytes} bytes) is used up; "
                 "space frees as records expire", code="storage_budget_exceeded",

@@ -51,10 +51,10 @@ class Services:
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 
-    async def admit(self, tenant: str) -> None:
+    async def admit(self, tenant: str, *, stores: bool = True) -> None:
         """Let a request in, or raise RateLimited (counted per tenant either way)."""
         label = self.limits.state(tenant).label
-        if self.limits.needs_storage_figure(tenant) and self.recorder.up:
+        if stores and self.limits.needs_storage_figure(tenant) and self.recorder.up:
             try:
                 stored = await self.recorder.stored(tenant)
             except RecorderUnavailable:
@@ -62,7 +62,7 @@ class Services:
             else:
                 self._note_stored(tenant, label, stored)
         try:
-            self.limits.admit(tenant)
+            self.limits.admit(tenant, stores=stores)
         except RateLimited as exc:
             self.metrics.count_tenant(label, exc.code)
             raise

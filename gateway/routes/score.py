@@ -1,8 +1,8 @@
 """`POST /v1/score`: the built-in worker's teacher-forced logprobs, through the gateway.
 
-validate -> route -> forward -> observe. Nothing is recorded: a score is a read-only
-computation (the same token ids give the same numbers on the same fingerprint), so it needs
-no record and works while Redis is down.
+validate -> admit (the tenant's rates) -> route -> forward -> observe. Nothing is recorded:
+a score is a read-only computation (the same token ids give the same numbers on the same
+fingerprint), so it needs no record and works while Redis is down.
 
 Only built-in workers are asked (vLLM's /score is cross-encoder pair scoring, another API).
 With `system_fingerprint` the client demands a worker with those numerics, as a trainer does
@@ -26,9 +26,10 @@ from gateway.services import read_body, services
 
 async def score(request: Request) -> Response:
     svc = services(request)
-    svc.auth.tenant(request.headers.get("authorization"))
+    tenant = svc.auth.tenant(request.headers.get("authorization"))
     raw = await read_body(request, svc.settings.max_body_bytes, svc.settings.body_timeout_s)
     parsed = protocol.parse_score(raw, svc.settings)
+    await svc.admit(tenant, stores=False)
     deadline = time.monotonic() + svc.settings.total_timeout_s
     sent = await svc.forwarder.send(parsed.model, protocol.SCORE, orjson.dumps(parsed.body),
                                     deadline=deadline, fingerprint=parsed.fingerprint,
@@ -46,6 +47,7 @@ async def score(request: Request) -> Response:
     if parsed.fingerprint is not None and fingerprint != parsed.fingerprint:
         raise Conflict(f"the worker now has fingerprint {fingerprint}, not "
                        f"{parsed.fingerprint}")
+    svc.charge_tokens(tenant, {"total_tokens": len(parsed.body["token_ids"])})
     answer["system_fingerprint"] = fingerprint
     # orjson writes each float as the shortest text that reads back as the same double: the
     # worker's logprobs reach the client bit for bit.

@@ -83,6 +83,20 @@ def test_request_and_token_rates_refuse_one_tenant_only(start_gateway, vllm_work
         assert f'"{tenant}' not in text
 
 
+def test_scores_are_held_to_the_rates_but_not_to_the_storage_budget(start_gateway,
+                                                                    vllm_worker):
+    gw = _gateway(start_gateway, vllm_worker)
+    body = {"model": MODEL, "token_ids": [1, 2, 3]}
+    alice, dave = gw.http("sk-alice-0123456789"), gw.http("sk-dave-2222222222")
+    # The fixture worker is vLLM's, which is never asked to score: admitted scores get 409.
+    codes = [alice.post("/v1/score", json=body) for _ in range(4)]
+    assert [r.status_code for r in codes[:2]] == [409, 409]
+    _assert_429(codes[-1], "requests_per_s_exceeded")
+    assert _chat(dave).status_code == 200  # dave's budget is used up by this record
+    _assert_429(_chat(dave), "storage_budget_exceeded")
+    assert dave.post("/v1/score", json=body).status_code != 429
+
+
 def test_storage_budget_is_shared_kept_over_restarts(start_gateway, vllm_worker):
     first = _gateway(start_gateway, vllm_worker)
     dave = first.http("sk-dave-2222222222")
