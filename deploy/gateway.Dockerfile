@@ -16,7 +16,8 @@ COPY worker worker
 COPY kernels kernels
 RUN pip install . \
     && rm -rf /build \
-    && useradd --system --create-home --uid 10001 detgate
+    && useradd --system --create-home --uid 10001 detgate \
+    && install -d -o detgate -g detgate /var/lib/detgate
 
 WORKDIR /home/detgate
 USER detgate
