@@ -20,12 +20,13 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
+from detgate import procs
 from detgate.contract.constants import DEFAULT_MODE, MODES
+from detgate.procs import free_port
 
 
 def register(sub) -> None:
@@ -41,12 +42,6 @@ def register(sub) -> None:
 
 def state_dir() -> Path:
     return Path(os.environ.get("DETGATE_STATE_DIR", Path.home() / ".cache" / "detgate"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def reachable(host: str, port: int, timeout: float = 0.5) -> bool:
@@ -98,44 +93,27 @@ class Stack:
     children: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
 
     def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
-        with open(self.logs / f"{name}.log", "ab") as log:  # the child keeps its own copy
-            popen = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                preexec_fn=_die_with(os.getpid()),
-            )
+        popen = procs.start(args, self.logs / f"{name}.log", env, preexec_fn=_die_with(os.getpid()))
         self.children.append((name, popen))
 
     def wait_http(self, name: str, url: str, timeout: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout
-        popen = dict(self.children)[name]
-        while time.monotonic() < deadline:
-            if popen.poll() is not None:
-                log = self.logs / f"{name}.log"
-                raise RuntimeError(f"{name} exited ({popen.returncode}); see {log}")
-            try:
-                with urllib.request.urlopen(url, timeout=1.0) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"{name} did not answer {url} within {timeout:.0f}s")
+        try:
+            procs.wait_http(dict(self.children)[name], url, timeout, interval=0.2)
+        except procs.Exited as exc:
+            log = self.logs / f"{name}.log"
+            raise RuntimeError(f"{name} exited ({exc.returncode}); see {log}") from None
+        except TimeoutError:
+            raise RuntimeError(f"{name} did not answer {url} within {timeout:.0f}s") from None
 
     def first_dead(self) -> str | None:
         return next((name for name, p in self.children if p.poll() is not None), None)
 
     def stop(self) -> None:
         for _, popen in reversed(self.children):
-            if popen.poll() is None:
-                os.killpg(popen.pid, signal.SIGTERM)
+            procs.signal_group(popen, signal.SIGTERM)
         deadline = time.monotonic() + 15
         for _, popen in reversed(self.children):
-            try:
-                popen.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(popen.pid, signal.SIGKILL)
-                popen.wait()
+            procs.reap(popen, max(0.1, deadline - time.monotonic()))
 
 
 def start_redis(stack: Stack, data_dir: Path) -> str:

@@ -14,7 +14,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -22,8 +21,10 @@ from pathlib import Path
 
 import httpx
 
+from detgate import procs
+from detgate.procs import free_port
 from detgate.provenance import cpu_model, git_commit, utc_now, versions
-from detgate.up import free_port, state_dir
+from detgate.up import state_dir
 
 MODES = ("default", "batch_invariant")
 QUESTIONS = ["Tell me about Richard Feynman.", "What is the capital of France?",
@@ -47,18 +48,11 @@ class Worker:
         args = [sys.executable, "-m", "detgate.cli", "worker", "--model", model, "--mode", mode,
                 "--dtype", dtype, "--port", str(self.port)]
         start = time.monotonic()
-        with open(log, "ab") as out:
-            self.popen = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
-                                          env={**os.environ, "DETGATE_STATE_DIR": str(state)})
-        while True:
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"worker exited ({self.popen.returncode}); see {log}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+        self.popen = procs.start(args, log, {"DETGATE_STATE_DIR": str(state)})
+        try:
+            procs.wait_http(self.popen, self.url + "/health", timeout=None)
+        except procs.Exited as exc:
+            raise RuntimeError(f"worker exited ({exc.returncode}); see {log}") from None
         self.start_s = time.monotonic() - start
 
     def memory_mib(self) -> dict[str, float]:
@@ -69,8 +63,7 @@ class Worker:
                 for key, name in (("rss_mib", "VmRSS"), ("peak_rss_mib", "VmHWM"))}
 
     def stop(self) -> None:
-        self.popen.terminate()
-        self.popen.wait(30)
+        procs.stop(self.popen, timeout=30)
 
 
 async def _chat(client: httpx.AsyncClient, url: str, model: str, question: str,

@@ -1,23 +1,18 @@
-"""Real processes for tests: start a server, wait until it answers, stop it, keep its log."""
+"""Real processes for tests: start a server, wait until it answers, stop it, keep its log
+(through detgate.procs, as `detgate up` does)."""
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+from detgate import procs
+from detgate.procs import free_port
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["Proc", "detgate_cmd", "free_port"]
 
 
 @dataclass
@@ -31,34 +26,19 @@ class Proc:
     popen: subprocess.Popen | None = None
 
     def start(self, health_path: str = "/health", timeout: float = 120.0) -> Proc:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
-        with open(self.log_path, "ab") as log:  # the child keeps its own copy of the descriptor
-            self.popen = subprocess.Popen(
-                self.args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                code = self.popen.returncode
-                raise RuntimeError(f"{self.args} exited with {code}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + health_path, timeout=1.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise TimeoutError(f"{self.args} not healthy after {timeout}s:\n{self.log()}")
+        self.popen = procs.start(self.args, self.log_path, self.env)
+        try:
+            procs.wait_http(self.popen, self.url + health_path, timeout)
+        except procs.Exited as exc:
+            raise RuntimeError(f"{self.args} exited with {exc.returncode}:\n{self.log()}") from None
+        except TimeoutError:
+            self.stop()
+            raise TimeoutError(f"{self.args} not healthy after {timeout}s:\n{self.log()}") from None
+        return self
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
-        if self.popen is None or self.popen.poll() is not None:
-            return
-        os.killpg(self.popen.pid, sig)
-        try:
-            self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-            self.popen.wait()
+        if self.popen is not None:
+            procs.stop(self.popen, sig, timeout)
 
     def kill(self) -> None:
         self.stop(signal.SIGKILL)
