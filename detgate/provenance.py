@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import json
 import os
 import platform
 import subprocess
@@ -52,3 +53,15 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+RESULTS = Path("bench/results")
+
+
+def save_result(report: dict, stem: str, path: str | None = None) -> Path:
+    """Write a benchmark's JSON to `path`, or to bench/results/<stem>-<UTC stamp>.json."""
+    out = Path(path) if path else RESULTS / (
+        f"{stem}-{datetime.datetime.now(datetime.UTC).strftime('%Y%m%dT%H%M%SZ')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    return out

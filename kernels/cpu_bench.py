@@ -11,16 +11,14 @@ hits both sides alike. Host timer: these are eager calls, host cost included.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import kernels
-from detgate.provenance import cpu_model, git_commit, utc_now, versions
+from detgate.provenance import cpu_model, git_commit, save_result, utc_now, versions
 
 M_VALUES = (1, 4, 16, 64, 256, 1024)
 EPS = 1e-6
@@ -124,9 +122,5 @@ def main(args) -> int:
               "device": cpu_model(), "cpu_kernels": load().isa(),
               "versions": versions("torch"), "timer": "host perf_counter, eager calls",
               "ratio": "torch time / ours (above 1: ours faster)", "rows": rows}
-    out = Path(args.json) if args.json else Path("bench/results") / (
-        f"kernels-cpu-{utc_now().replace(':', '').replace('-', '')[:15]}Z.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+    print(f"wrote {save_result(result, 'kernels-cpu', args.json)}")
     return 0

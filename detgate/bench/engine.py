@@ -14,18 +14,15 @@ Writes JSON with the device, versions and commit to bench/results/ (and to --jso
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import json
 import platform
 import random
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from detgate.contract.constants import MODES
-from detgate.provenance import git_commit, utc_now, versions
+from detgate.provenance import git_commit, save_result, utc_now, versions
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.sequence import SamplingParams
@@ -102,13 +99,8 @@ def main(args) -> int:
         "cpu_time_ratio_batch_invariant_over_default": ratio_cpu,
         "goal": "batch_invariant <= 1.3x default time on CPU", "runs": runs,
     }
-    data = json.dumps(report, indent=2)
-    out_dir = Path("bench/results")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
-    (out_dir / f"engine-{base.device}-{base.dtype}-{stamp}.json").write_text(data)
-    if args.json:
-        Path(args.json).write_text(data)
+    out = save_result(report, f"engine-{base.device}-{base.dtype}", args.json)
+    print(f"wrote {out}")
     for mode in MODES:
         s = summary[mode]
         print(f"{mode:16s} median {s['median_wall_s']:.2f} s, "

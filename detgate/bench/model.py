@@ -10,7 +10,6 @@ printed and saved beside the figures with the provenance record.
 from __future__ import annotations
 
 import asyncio
-import datetime
 import json
 import os
 import statistics
@@ -23,7 +22,7 @@ import httpx
 
 from detgate import procs
 from detgate.procs import free_port
-from detgate.provenance import cpu_model, git_commit, utc_now, versions
+from detgate.provenance import cpu_model, git_commit, save_result, utc_now, versions
 from detgate.up import state_dir
 
 MODES = ("default", "batch_invariant")
@@ -134,12 +133,7 @@ def main(args) -> int:
         "worker_first_start_s": first_start, "modes": results,
         "time_ratio_batch_invariant_over_default": ratio,
     }
-    data = json.dumps(report, indent=2)
-    out_dir = Path("bench/results")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
-    (out_dir / f"model-cpu-{Path(args.model).name}-{args.dtype}-{stamp}.json").write_text(data)
-    if args.json:
-        Path(args.json).write_text(data)
+    out = save_result(report, f"model-cpu-{Path(args.model).name}-{args.dtype}", args.json)
+    print(f"wrote {out}")
     print(f"batch_invariant / default: {ratio:.2f}x time for the same tokens")
     return 0

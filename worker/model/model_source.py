@@ -18,6 +18,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,13 +92,23 @@ def prepared_folder(gguf_path: Path, label: str) -> Path:
         return folder
     from worker.model.gguf_checkpoint import convert, progress_line
 
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-    try:
+    def fill(tmp: Path) -> None:
         convert(gguf_path, tmp, progress_line(f"preparing {label} (first start only): "
                                               f"dequantising {gguf_path.name}"))
         source = {"gguf": gguf_path.name, "sha256": digest, "gguf_version": _version("gguf")}
         (tmp / "source.json").write_text(json.dumps(source) + "\n")
+
+    return build_once(folder, fill)
+
+
+def build_once(folder: Path, fill: Callable[[Path], None]) -> Path:
+    """`folder`, filled by `fill(tmp)` in a private folder renamed into place: several workers
+    may start at once, the first rename wins and the others drop their copy (the same input
+    gives the same bytes)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        fill(tmp)
         os.rename(tmp, folder)
     except OSError:
         if not (folder / "config.json").exists():

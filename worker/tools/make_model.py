@@ -18,8 +18,6 @@ import hashlib
 import json
 import math
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -122,18 +120,9 @@ def resolve_model(name_or_path: str) -> Path:
         )
     folder = default_folder(name_or_path)
     if not (folder / "config.json").exists():
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        # Several workers may start at once: each writes a private folder and renames it into
-        # place; the first rename wins and the others drop their copy (same seed, same bytes).
-        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-        try:
-            make_model(name_or_path, tmp, seed=0)
-            os.rename(tmp, folder)
-        except OSError:
-            if not (folder / "config.json").exists():
-                raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        from worker.model.model_source import build_once
+
+        build_once(folder, lambda tmp: make_model(name_or_path, tmp, seed=0))
     return folder
 
 
