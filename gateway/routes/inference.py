@@ -11,6 +11,7 @@ worker's fingerprint.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
@@ -89,19 +90,9 @@ def _record(parsed: ParsedRequest, record_id: str, worker: str | None, fingerpri
 
 async def _whole(svc: Services, request: Request, tenant: str, parsed: ParsedRequest,
                  record_id: str, deadline: float) -> Response:
-    try:
-        with svc.drain.track():
-            sent = await svc.forwarder.send(parsed.model, parsed.endpoint,
-                                            orjson.dumps(parsed.body), deadline=deadline)
-    except (UpstreamRejected, UpstreamFailed, UpstreamTimeout) as exc:
-        await _record_failure(svc, tenant, parsed, record_id, exc)
-        raise
-    except asyncio.CancelledError:
-        if not svc.interrupts.take(SHUTDOWN):
-            raise
-        exc = ShuttingDown("the gateway shut down before the worker answered")
-        await _record_failure(svc, tenant, parsed, record_id, exc, status="aborted")
-        raise exc from None
+    async with _forwarding(svc, tenant, parsed, record_id):
+        sent = await svc.forwarder.send(parsed.model, parsed.endpoint,
+                                        orjson.dumps(parsed.body), deadline=deadline)
     request.state.upstream_s = sent.upstream_s
     try:
         answer = orjson.loads(sent.answer.body)
@@ -122,6 +113,25 @@ async def _whole(svc: Services, request: Request, tenant: str, parsed: ParsedReq
                     headers={RECORD_HEADER: record_id})
 
 
+@contextlib.asynccontextmanager
+async def _forwarding(svc: Services, tenant: str, parsed: ParsedRequest, record_id: str
+                      ) -> AsyncIterator[None]:
+    """Around sending a request to a worker (tracked for the shutdown drain): a request that
+    gets no answer is recorded `failed`, or `aborted` when the gateway shuts down first."""
+    try:
+        with svc.drain.track():
+            yield
+    except (UpstreamRejected, UpstreamFailed, UpstreamTimeout) as exc:
+        await _record_failure(svc, tenant, parsed, record_id, exc)
+        raise
+    except asyncio.CancelledError:
+        if not svc.interrupts.take(SHUTDOWN):
+            raise
+        exc = ShuttingDown("the gateway shut down before the worker answered")
+        await _record_failure(svc, tenant, parsed, record_id, exc, status="aborted")
+        raise exc from None
+
+
 async def _record_failure(svc: Services, tenant: str, parsed: ParsedRequest, record_id: str,
                           exc: GatewayError, status: str = "failed") -> None:
     """A forwarded request that got no answer is recorded too, and the client told its id."""
@@ -132,20 +142,9 @@ async def _record_failure(svc: Services, tenant: str, parsed: ParsedRequest, rec
 
 async def _stream(svc: Services, request: Request, tenant: str, parsed: ParsedRequest,
                   record_id: str, deadline: float) -> Response:
-    try:
-        with svc.drain.track():
-            opened = await svc.forwarder.open_stream(parsed.model, parsed.endpoint,
-                                                     orjson.dumps(parsed.body),
-                                                     deadline=deadline)
-    except (UpstreamRejected, UpstreamFailed, UpstreamTimeout) as exc:
-        await _record_failure(svc, tenant, parsed, record_id, exc)
-        raise
-    except asyncio.CancelledError:
-        if not svc.interrupts.take(SHUTDOWN):
-            raise
-        exc = ShuttingDown("the gateway shut down before the worker answered")
-        await _record_failure(svc, tenant, parsed, record_id, exc, status="aborted")
-        raise exc from None
+    async with _forwarding(svc, tenant, parsed, record_id):
+        opened = await svc.forwarder.open_stream(parsed.model, parsed.endpoint,
+                                                 orjson.dumps(parsed.body), deadline=deadline)
     return StreamingResponse(
         _relay(svc, request, tenant, parsed, record_id, deadline, opened),
         media_type="text/event-stream",
