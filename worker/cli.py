@@ -41,7 +41,7 @@ def register(sub) -> None:
     p = sub.add_parser("prepare-model", help="make --model's checkpoint folder ready (a GGUF is "
                                              "dequantised once) and print where it is")
     p.add_argument("model", help="smollm2-135m-instruct, tiny, a folder or a .gguf file")
-    p.set_defaults(func=lambda args: __import__("worker.model.model_source",
+    p.set_defaults(func=lambda args: __import__("worker.tools.model_source",
                                                 fromlist=["main"]).main(args))
 
     p = sub.add_parser("make-model", help="write a small checkpoint folder")

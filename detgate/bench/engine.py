@@ -57,7 +57,7 @@ def run_once(engine: Engine, requests) -> dict:
 
 def build(config: EngineConfig) -> Engine:
     from worker.model.loader import load
-    from worker.model.model_source import resolve_model
+    from worker.tools.model_source import resolve_model
 
     loaded = load(resolve_model(config.model), dtype=config.dtype, device=config.device,
                   mode=config.mode)

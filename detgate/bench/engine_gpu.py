@@ -16,7 +16,7 @@ both numeric modes side by side, the Engine driven in process (no HTTP server ne
 3. Trainer check: teacher-forced scoring (one full forward, no KV reuse) of sampled sequences
    against their sampled logprobs, bit for bit.
 A model name that is a preset (tiny, qwen3-8b-shape) is built on the device with random
-weights from --seed (worker/model/random_model.py); a folder is loaded as the worker loads it.
+weights from --seed (worker/tools/random_model.py); a folder is loaded as the worker loads it.
 Phases that would start after --deadline seconds are skipped; each phase's failure is recorded and
 the next one still runs. Writes OUT_DIR/engine-gpu.json after every phase; prints a table last.
 """
@@ -42,8 +42,8 @@ from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.model.loader import load
 from worker.model.ops import make_ops
-from worker.model.random_model import load_random
 from worker.tools.make_model import PRESETS
+from worker.tools.random_model import load_random
 
 T0 = time.time()
 PHASES = ("kernel_check", "build", "warmup", "decode_step", "determinism", "score", "cost",

@@ -21,9 +21,9 @@ from pathlib import Path
 import httpx
 
 from detgate import procs
+from detgate.paths import state_dir
 from detgate.procs import free_port
 from detgate.provenance import cpu_model, git_commit, save_result, utc_now, versions
-from detgate.up import state_dir
 
 MODES = ("default", "batch_invariant")
 QUESTIONS = ["Tell me about Richard Feynman.", "What is the capital of France?",

@@ -18,8 +18,8 @@ from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.sequence import SamplingParams
 from worker.model.config import ModelConfigError
-from worker.model.gguf_checkpoint import convert
 from worker.model.loader import load
+from worker.tools.gguf_checkpoint import convert
 
 T = gguf.GGMLQuantizationType
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 64, 128, 2, 4, 2, 16
@@ -212,7 +212,7 @@ def _mkdir(path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def smollm2_gguf() -> Path:
-    from worker.model.model_source import DEFAULT_MODEL, PACKAGED, ModelUnavailable, packaged_file
+    from worker.tools.model_source import DEFAULT_MODEL, PACKAGED, ModelUnavailable, packaged_file
 
     try:
         return packaged_file(PACKAGED[DEFAULT_MODEL])

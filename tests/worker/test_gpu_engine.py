@@ -21,8 +21,8 @@ from worker.engine import offline as wl
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.model.loader import load
-from worker.model.random_model import load_random
 from worker.tools.make_model import PRESETS
+from worker.tools.random_model import load_random
 
 pytestmark = [
     pytest.mark.gpu,

@@ -37,7 +37,7 @@ def create_app(config: EngineConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         from worker.model.loader import load
-        from worker.model.model_source import resolve_model
+        from worker.tools.model_source import resolve_model
 
         path = await asyncio.to_thread(resolve_model, config.model)
         loaded = await asyncio.to_thread(load, path, dtype=config.dtype, device=config.device,

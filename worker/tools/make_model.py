@@ -102,7 +102,7 @@ def main(args) -> int:
 
 
 def default_folder(preset: str, seed: int = 0) -> Path:
-    from detgate.up import state_dir
+    from detgate.paths import state_dir
 
     return state_dir() / "models" / f"{preset}-seed{seed}"
 
@@ -120,7 +120,7 @@ def resolve_model(name_or_path: str) -> Path:
         )
     folder = default_folder(name_or_path)
     if not (folder / "config.json").exists():
-        from worker.model.model_source import build_once
+        from worker.tools.model_source import build_once
 
         build_once(folder, lambda tmp: make_model(name_or_path, tmp, seed=0))
     return folder

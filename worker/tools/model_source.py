@@ -84,13 +84,13 @@ def packaged_file(model: PackagedModel) -> Path:
 
 
 def prepared_folder(gguf_path: Path, label: str) -> Path:
-    from detgate.up import state_dir
+    from detgate.paths import state_dir
 
     digest = _sha256(gguf_path)
     folder = state_dir() / "models" / f"{label}-gguf{CONVERSION_VERSION}-{digest[:16]}"
     if (folder / "config.json").exists():
         return folder
-    from worker.model.gguf_checkpoint import convert, progress_line
+    from worker.tools.gguf_checkpoint import convert, progress_line
 
     def fill(tmp: Path) -> None:
         convert(gguf_path, tmp, progress_line(f"preparing {label} (first start only): "
