@@ -18,8 +18,8 @@ from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.sequence import SamplingParams
 from worker.model.config import ModelConfigError
+from worker.model.gguf_checkpoint import convert
 from worker.model.loader import load
-from worker.tools.gguf_checkpoint import convert
 
 T = gguf.GGMLQuantizationType
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 64, 128, 2, 4, 2, 16

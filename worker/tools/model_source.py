@@ -90,7 +90,7 @@ def prepared_folder(gguf_path: Path, label: str) -> Path:
     folder = state_dir() / "models" / f"{label}-gguf{CONVERSION_VERSION}-{digest[:16]}"
     if (folder / "config.json").exists():
         return folder
-    from worker.tools.gguf_checkpoint import convert, progress_line
+    from worker.model.gguf_checkpoint import convert, progress_line
 
     def fill(tmp: Path) -> None:
         convert(gguf_path, tmp, progress_line(f"preparing {label} (first start only): "

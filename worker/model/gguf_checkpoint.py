@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from worker.model.config import ModelConfigError
-from worker.tools.gguf_tokenizer import GGUFTokenizer, build_tokenizer
+from worker.model.gguf_tokenizer import GGUFTokenizer, build_tokenizer
 
 # general.architecture -> the Hugging Face class the decoder implements
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
