@@ -1,28 +1,45 @@
-"""Decode-step padding of worker/engine/cuda_graphs.py, on the CPU: the graphs' static buffers,
-padding rows and padding block, run eagerly (capture=False); the capture itself is covered on
-CUDA by tests/worker/test_gpu_engine.py.
+"""Step padding of worker/engine/cuda_graphs.py, on the CPU: the graphs' static buffers,
+padding rows, empty and padding sequences and the padding block, run eagerly (capture=False);
+the capture itself is covered on CUDA by tests/worker/test_gpu_engine.py.
 
-Padding a decode batch up to a graph's batch size, and its block table up to the graph's width,
-must leave every real row's bits unchanged in batch_invariant mode; in default mode the padded
-batch size moves the numbers (negative control).
+Padding a decode batch up to a graph's batch size, a mixed prefill + decode step up to a token
+bucket (padding tokens in a padding sequence, empty sequences up to the graph's sequence count),
+and block tables up to the graph's width, must leave every real row's bits unchanged in
+batch_invariant mode; in default mode the padding moves the numbers (negative controls).
 """
 
 from __future__ import annotations
 
+import random
+
+import pytest
+import torch
+
+from detgate.contract.compare import logprob_bits
+from tests.worker.paged_forward import allocate, make_caches
 from worker.engine import offline as wl
+from worker.engine.attention_metadata import AttentionMetadata
 from worker.engine.config import EngineConfig
-from worker.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from worker.engine.cuda_graphs import DecodeGraphs, MixedGraphs, graph_batch_sizes, token_buckets
 from worker.engine.engine import Engine
 from worker.model.loader import load
 
 _loaded: dict = {}
+MAX_TOKENS = 64  # mixed steps: token buckets 16, 32, 64
 
 
-def run(tiny_model, mode: str, padded: bool) -> tuple[dict, Engine]:
+def loaded_model(tiny_model, mode: str):
     if mode not in _loaded:
         _loaded[mode] = load(tiny_model, dtype="float32", device="cpu", mode=mode)
-    loaded = _loaded[mode]
+    return _loaded[mode]
+
+
+def run(tiny_model, mode: str, padded: bool, mixed: bool = False) -> tuple[dict, Engine]:
+    """The same traffic through an engine, eagerly (padded False) or through the graphs'
+    static buffers: decode steps only, or (mixed) every step."""
+    loaded = loaded_model(tiny_model, mode)
     eng = Engine(EngineConfig(model=str(tiny_model), mode=mode, max_num_seqs=24,
+                              max_num_batched_tokens=MAX_TOKENS if mixed else 2048,
                               num_kv_blocks=256), loaded.model, loaded.config)
     runner = eng.runner
     if padded:
@@ -30,10 +47,20 @@ def run(tiny_model, mode: str, padded: bool) -> tuple[dict, Engine]:
             loaded.model, runner.kv_caches, max_seqs=24, block_size=runner.block_size,
             max_model_len=runner.max_model_len, padding_block=runner.num_kv_blocks,
             capture=False)
+        if mixed:
+            runner.mixed_graphs = mixed_graphs(loaded, runner.kv_caches, runner.block_size,
+                                               runner.max_model_len, runner.num_kv_blocks)
     reqs = wl.cost_workload(requests=11, prompt=(3, 40), output=(5, 14),
                             vocab_size=loaded.config.vocab_size, seed=1)
     out, _ = wl.run(eng, reqs, arrival_seed=2)
-    return {k: (c.token_ids, c.logprobs) for k, c in out.items()}, eng
+    return {k: (c.token_ids, logprob_bits(c.logprobs)) for k, c in out.items()}, eng
+
+
+def mixed_graphs(loaded, kv_caches, block_size, max_model_len, padding_block) -> MixedGraphs:
+    return MixedGraphs(loaded.model, kv_caches, max_seqs=24, max_tokens=MAX_TOKENS,
+                       block_size=block_size, max_model_len=max_model_len,
+                       padding_block=padding_block, hidden_size=loaded.config.hidden_size,
+                       dtype=loaded.config.dtype, capture=False)
 
 
 def test_graph_batch_sizes():
@@ -54,3 +81,89 @@ def test_negative_control_default_mode_padding_differs(tiny_model):
     eager, _ = run(tiny_model, "default", padded=False)
     padded, _ = run(tiny_model, "default", padded=True)
     assert padded != eager
+
+
+def test_token_buckets():
+    assert token_buckets(8192)[:6] == [16, 32, 64, 128, 256, 512]
+    assert token_buckets(8192)[-1] == 8192 and len(token_buckets(8192)) == 4 + 32
+    assert token_buckets(1000) == [16, 32, 64, 128, 256, 512, 768, 1000]
+    assert token_buckets(64) == [16, 32, 64]
+    assert token_buckets(10) == [10]
+    assert token_buckets(512, step=128) == [16, 32, 64, 128, 256, 384, 512]
+
+
+def test_mixed_steps_padded_are_bit_identical(tiny_model):
+    eager, _ = run(tiny_model, "batch_invariant", padded=False, mixed=True)
+    padded, eng = run(tiny_model, "batch_invariant", padded=True, mixed=True)
+    graphs = eng.runner.mixed_graphs
+    assert {t for t, _ in graphs.graphs} >= {32, 64}  # mixed steps ran padded, several buckets
+    assert padded == eager
+
+
+def test_negative_control_default_mode_mixed_padding_differs(tiny_model):
+    eager, _ = run(tiny_model, "default", padded=False, mixed=True)
+    padded, _ = run(tiny_model, "default", padded=True, mixed=True)
+    assert padded != eager
+
+
+def _mixed_step(seqs, counts, block_size):
+    """Inputs of one step: each sequence's next counts[i] tokens (a prefill chunk, or one
+    decode token), its table padded with -1 as the runner pads it."""
+    ids, pos, slots, qsl, lens = [], [], [], [0], []
+    for s, n in zip(seqs, counts, strict=True):
+        new = range(s.cached, s.cached + n)
+        ids += [s.token_ids[p] for p in new]
+        pos += list(new)
+        slots += [s.blocks[p // block_size] * block_size + p % block_size for p in new]
+        qsl.append(qsl[-1] + n)
+        lens.append(s.cached + n)
+    width = max(len(s.blocks) for s in seqs)
+    tables = torch.tensor([s.blocks + [-1] * (width - len(s.blocks)) for s in seqs],
+                          dtype=torch.int32)
+    meta = AttentionMetadata(torch.tensor(qsl, dtype=torch.int32),
+                             torch.tensor(lens, dtype=torch.int32), tables,
+                             torch.tensor(slots), max(counts), max(lens))
+    return torch.tensor(ids), torch.tensor(pos), meta
+
+
+@pytest.mark.parametrize("mode", ["batch_invariant", "default"])
+def test_mixed_forward_bits(tiny_model, mode):
+    """Forward level: steps mixing prefill chunks (whole prompts, chunks after a cached part)
+    and decodes, eager against the padded static-buffer path, hidden states compared as bit
+    patterns; default mode must differ somewhere (negative control)."""
+    loaded = loaded_model(tiny_model, mode)
+    rng = random.Random(4)
+    vocab = loaded.config.vocab_size
+    prompts = [[rng.randrange(100, vocab) for _ in range(rng.randint(5, 60))] for _ in range(9)]
+    results = {}
+    for padded in (False, True):
+        caches = make_caches(loaded.model, 64)
+        seqs = allocate(prompts)
+        graphs = mixed_graphs(loaded, caches, 16, 2048, 63) if padded else None
+        hidden = []
+        rng_steps = random.Random(5)
+        while any(s.cached < len(s.token_ids) for s in seqs):
+            live = [s for s in seqs if s.cached < len(s.token_ids)]
+            step_seqs = rng_steps.sample(live, k=min(len(live), rng_steps.randint(1, 6)))
+            counts = []
+            for s in step_seqs:
+                left = len(s.token_ids) - s.cached
+                counts.append(1 if rng_steps.random() < 0.5 else rng_steps.randint(1, left))
+            while sum(counts) > MAX_TOKENS:
+                counts[counts.index(max(counts))] //= 2
+            ids, pos, meta = _mixed_step(step_seqs, counts, 16)
+            with torch.inference_mode():
+                out = graphs.forward(ids, pos, meta) if padded else \
+                    loaded.model(ids, pos, meta, caches)
+            assert out is not None and out.shape[0] == sum(counts)
+            hidden.append(out.clone().view(torch.int32))
+            for s, n in zip(step_seqs, counts, strict=True):
+                s.cached += n
+        results[padded] = hidden
+        if padded:
+            assert len({t for t, _ in graphs.graphs}) >= 2
+    same = [torch.equal(a, b) for a, b in zip(results[False], results[True], strict=True)]
+    if mode == "batch_invariant":
+        assert all(same)
+    else:
+        assert not all(same)

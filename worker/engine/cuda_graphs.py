@@ -21,7 +21,9 @@ are captured lazily on first use (or all at once by `capture_all`) and replayed 
 
 from __future__ import annotations
 
+import itertools
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -56,8 +58,7 @@ class DecodeGraphs:
         self.padding_block = padding_block
         self.capture = capture
         self.batch_sizes = graph_batch_sizes(max_seqs)
-        self.widths = [w for w in WIDTHS if w < max_model_len] + [min(WIDTHS[-1], max_model_len)]
-        self.widths = sorted({-(-w // block_size) * block_size for w in self.widths})
+        self.widths = _widths(max_model_len, block_size)
         device = kv_caches[0][0].device
         n = max_seqs
 
@@ -167,3 +168,223 @@ class DecodeGraphs:
             hidden = self._run(b, width)
         entry = self.graphs[(b, width)] = _Graph(graph, hidden)
         return entry
+
+
+# -- steps that mix prefill chunks and decodes ---------------------------------------------
+
+def token_buckets(max_tokens: int, step: int = 256) -> list[int]:
+    """Scheduled-token counts that mixed-step graphs are captured for: 16, 32, 64, 128, then
+    every multiple of `step`, up to max_tokens (always included). A step of t tokens runs in the
+    smallest bucket >= t, so it carries fewer than `step` padding tokens."""
+    sizes = [t for t in (16, 32, 64, 128) if t < min(step, max_tokens)]
+    sizes += list(range(step, max_tokens, step))
+    return sorted({*sizes, max_tokens})
+
+
+class MixedGraphs:
+    """Whole-model graphs for steps that mix prefill chunks and decodes, one per (bucket of
+    scheduled tokens, context width).
+
+    A step of n sequences and t tokens runs in the graph of the smallest token bucket T >= t
+    (token_buckets) whose width covers its longest sequence. The graph always has S =
+    max_seqs + 1 sequences, so the number of sequences is no part of its key:
+
+    - sequences 0..n-1 are the step's own (their tokens 0..t-1, their seq_lens and block
+      tables, widened with the padding block, exactly as the eager step has them);
+    - sequences n..S-2 are empty: no query, seq_len 0; the attention kernels give an empty
+      sequence's programs nothing to do (their first query is past its length) and no token;
+    - sequence S-1 is the padding sequence: it owns the P = T - t padding tokens (token 0,
+      positions 0..P-1), its K/V go to the padding block (a KV block the block manager never
+      hands out) and its block table row is all padding block, so it reads nothing else. The
+      padding tokens attend causally among themselves (P < the bucket step, a few hundred at
+      most, so their cost is small), giving finite values in rows that are then dropped.
+
+    The hidden states are copied, inside the graph, into one output buffer shared by every
+    mixed graph, so a graph holds no output memory of its own; logits and sampling run eagerly
+    after the replay, as before.
+
+    Why the real rows' bits do not change (batch_invariant mode): every reducing op there is
+    row-invariant. The matmul's result for a row depends only on that row and the weights: its
+    tile choice may follow M (here the bucket T instead of t), but the reduction over K is one
+    fixed order per output element whatever the tile (kernels/matmul.py); RMSNorm is one
+    program per row (kernels/rmsnorm.py); log_softmax runs eagerly on the real rows only; the
+    pointwise ops (rotary, silu, residual adds, embedding gathers) touch one element at a time.
+    Paged attention reduces a query over its own sequence's keys in one order set by its
+    position alone, whatever the other queries and sequences of the call, and whichever of its
+    two launch shapes runs (kernels/attention_triton.py); the padding and empty sequences
+    read and write only the padding block, which no real sequence reads (a real row reads only
+    its first seq_len positions through its own table). So padding tokens, empty sequences, a
+    larger M and a wider block table leave every real row's bits as in the eager step:
+    tests/worker/test_cuda_graphs.py checks this on the CPU through the same static-buffer path
+    run eagerly (capture=False), tests/worker/test_gpu_engine.py checks captured against eager
+    on CUDA, bitwise. In default mode cuBLAS may pick another reduction for another M, so
+    there the padding is one more thing that moves the numbers.
+    """
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list[KVCache], *, max_seqs: int,
+                 max_tokens: int, block_size: int, max_model_len: int, padding_block: int,
+                 hidden_size: int, dtype: torch.dtype, capture: bool = True, pool=None):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.padding_block = padding_block
+        self.capture = capture
+        self.widths = _widths(max_model_len, block_size)
+        # Padding tokens must fit the padding sequence's table row: fewer than a width.
+        self.buckets = token_buckets(max_tokens, step=min(256, self.widths[0]))
+        self.num_seqs = max_seqs + 1  # the last one is the padding sequence
+        device = kv_caches[0][0].device
+        s, n = self.num_seqs, max_tokens
+
+        def buf(size, dtype_, fill=0):
+            return torch.full(size, fill, dtype=dtype_, device=device)
+
+        self.input_ids = buf((n,), torch.int64)
+        self.positions = buf((n,), torch.int64)
+        self.slot_mapping = buf((n,), torch.int64, padding_block * block_size)
+        self.query_start_loc = buf((s + 1,), torch.int32)
+        self.seq_lens = buf((s,), torch.int32)
+        self.block_tables = {w: buf((s, w // block_size), torch.int32, padding_block)
+                             for w in self.widths}
+        # Padding token j: position j, slot j % block_size of the padding block.
+        self.pad_positions = torch.arange(n, dtype=torch.int64, device=device)
+        self.pad_slots = padding_block * block_size + self.pad_positions % block_size
+        self.out = torch.empty((n, hidden_size), dtype=dtype, device=device)
+        self.pool = pool if pool is not None else (
+            torch.cuda.graph_pool_handle() if capture else None)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph | None] = {}
+        self.failed = False
+        self.capture_seconds = 0.0
+
+    def bucket(self, num_tokens: int, num_seqs: int, max_seq_len: int) -> tuple[int, int] | None:
+        """(token bucket, width) a step runs in, or None: it runs eagerly."""
+        if self.failed or num_seqs > self.num_seqs - 1:
+            return None
+        width = next((w for w in self.widths if w >= max_seq_len), None)
+        tokens = next((t for t in self.buckets if t >= num_tokens), None)
+        if width is None or tokens is None or tokens - num_tokens > width:
+            return None
+        return tokens, width
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor | None:
+        """hidden [t, H] of the step, or None when no graph fits (run it eagerly)."""
+        t, n = input_ids.shape[0], meta.num_seqs
+        key = self.bucket(t, n, meta.max_seq_len)
+        if key is None:
+            return None
+        tokens, width = key
+        self._load(input_ids, positions, meta, tokens, width)
+        if key not in self.graphs and not self._try_capture(tokens, width):
+            return None
+        graph = self.graphs[key]
+        if graph is None:  # capture=False: the same buffers, eagerly
+            self._run(tokens, width)
+        else:
+            graph.replay()
+        return self.out[:t]
+
+    @torch.inference_mode()
+    def capture_all(self, max_seq_len: int) -> int:
+        """Capture every token bucket at the widths up to the one covering max_seq_len, largest
+        first (smaller graphs then reuse the pool's memory). Returns the number of graphs."""
+        widths = [w for w in self.widths if w < max_seq_len]
+        widths += [w for w in self.widths if w >= max_seq_len][:1]
+        for width in widths:
+            for tokens in reversed(self.buckets):
+                if (tokens, width) not in self.graphs and not self.failed \
+                        and self._load_dummy(tokens, width):
+                    self._try_capture(tokens, width)
+        return len(self.graphs)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _load(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+              tokens: int, width: int) -> None:
+        """The step's rows into the static buffers; the rest made empty and padding."""
+        t, n = input_ids.shape[0], meta.num_seqs
+        self.input_ids[:t].copy_(input_ids)
+        self.positions[:t].copy_(positions)
+        self.slot_mapping[:t].copy_(meta.slot_mapping)
+        self.query_start_loc[:n + 1].copy_(meta.query_start_loc)
+        self.seq_lens[:n].copy_(meta.seq_lens)
+        table = self.block_tables[width]
+        # A prefill chunk's table holds blocks for its whole prompt: only the first
+        # width / block_size can be read (seq_len <= width).
+        cols = min(meta.block_tables.shape[1], table.shape[1])
+        table[:n, :cols].copy_(meta.block_tables[:, :cols])
+        table[:n, cols:].fill_(self.padding_block)
+        table[n:].fill_(self.padding_block)
+        self._pad(t, n, tokens)
+
+    def _pad(self, t: int, n: int, tokens: int) -> None:
+        """Tokens t..tokens-1 to the padding sequence S-1; sequences n..S-2 empty."""
+        s, p = self.num_seqs, tokens - t
+        self.input_ids[t:tokens].fill_(0)
+        self.positions[t:tokens].copy_(self.pad_positions[:p])
+        self.slot_mapping[t:tokens].copy_(self.pad_slots[:p])
+        self.query_start_loc[n + 1:s].fill_(t)
+        self.query_start_loc[s:].fill_(tokens)
+        self.seq_lens[n:s - 1].fill_(0)
+        self.seq_lens[s - 1:].fill_(p)
+
+    def _load_dummy(self, tokens: int, width: int) -> bool:
+        """Inputs for capturing outside a step: the tokens cut into sequences of at most
+        `width` tokens, all reading and writing only the padding block."""
+        n = -(-tokens // width)
+        if n > self.num_seqs - 1:
+            return False
+        per = -(-tokens // n)
+        lens = [x for x in (min(per, tokens - i * per) for i in range(n)) if x > 0]
+        t, n = sum(lens), len(lens)
+        self.input_ids[:t].fill_(0)
+        self.positions[:t].copy_(torch.cat([self.pad_positions[:x] for x in lens]))
+        self.slot_mapping[:t].copy_(torch.cat([self.pad_slots[:x] for x in lens]))
+        qsl = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+        self.query_start_loc[:n + 1].copy_(qsl)
+        self.seq_lens[:n].copy_(torch.tensor(lens, dtype=torch.int32))
+        self.block_tables[width].fill_(self.padding_block)
+        self._pad(t, n, tokens)
+        return True
+
+    def _run(self, tokens: int, width: int) -> None:
+        meta = AttentionMetadata(
+            query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
+            block_tables=self.block_tables[width], slot_mapping=self.slot_mapping[:tokens],
+            max_query_len=tokens, max_seq_len=width)
+        hidden = self.model(self.input_ids[:tokens], self.positions[:tokens], meta,
+                            self.kv_caches)
+        self.out[:tokens].copy_(hidden)
+
+    def _try_capture(self, tokens: int, width: int) -> bool:
+        try:
+            self._capture(tokens, width)
+            return True
+        except RuntimeError:  # an op that cannot be captured: run mixed steps eagerly
+            log.exception("CUDA graph capture failed (mixed step, %d tokens, width %d); "
+                          "running mixed steps eagerly", tokens, width)
+            self.failed = True
+            return False
+
+    def _capture(self, tokens: int, width: int) -> None:
+        if not self.capture:
+            self.graphs[(tokens, width)] = None
+            return
+        start = time.perf_counter()
+        # One eager run on a side stream first (Triton compiles, cuBLAS picks its kernels);
+        # it computes exactly what the replay will (the same inputs, the same K/V bits).
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._run(tokens, width)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._run(tokens, width)
+        self.graphs[(tokens, width)] = graph
+        self.capture_seconds += time.perf_counter() - start
+
+
+def _widths(max_model_len: int, block_size: int) -> list[int]:
+    widths = [w for w in WIDTHS if w < max_model_len] + [min(WIDTHS[-1], max_model_len)]
+    return sorted({-(-w // block_size) * block_size for w in widths})

@@ -16,7 +16,7 @@ import torch
 
 from worker.engine.attention_metadata import AttentionMetadata
 from worker.engine.config import CUDA_KV_MEMORY_FRACTION, DEFAULT_CPU_KV_MB, EngineConfig
-from worker.engine.cuda_graphs import DecodeGraphs
+from worker.engine.cuda_graphs import DecodeGraphs, MixedGraphs
 from worker.engine.sampler import Sampler
 from worker.engine.scheduler import Batch
 from worker.engine.sequence import Sequence, TokenLogprob
@@ -87,11 +87,19 @@ class ModelRunner:
                                  model_config.max_position_embeddings,
                                  self.num_kv_blocks * self.block_size)
         self.kv_caches = self._allocate_kv_cache()
-        # Decode steps replay CUDA graphs; their padding rows write into the padding block.
-        self.graphs = DecodeGraphs(
-            model, self.kv_caches, max_seqs=config.max_num_seqs, block_size=self.block_size,
-            max_model_len=self.max_model_len, padding_block=self.num_kv_blocks,
-        ) if self.device.type == "cuda" and not config.enforce_eager else None
+        # Decode steps and mixed prefill + decode steps replay CUDA graphs; their padding rows
+        # write into the padding block.
+        self.graphs = self.mixed_graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graphs = DecodeGraphs(
+                model, self.kv_caches, max_seqs=config.max_num_seqs, block_size=self.block_size,
+                max_model_len=self.max_model_len, padding_block=self.num_kv_blocks)
+            self.mixed_graphs = MixedGraphs(
+                model, self.kv_caches, max_seqs=config.max_num_seqs,
+                max_tokens=config.max_num_batched_tokens, block_size=self.block_size,
+                max_model_len=self.max_model_len, padding_block=self.num_kv_blocks,
+                hidden_size=model_config.hidden_size, dtype=model_config.dtype,
+                pool=self.graphs.pool)
         self.inputs = InputBuffers(self.device, config.max_num_batched_tokens, config.max_num_seqs,
                                    -(-self.max_model_len // self.block_size))
         self.sampler = Sampler(make_ops(config.mode).log_softmax, self.device)
@@ -120,8 +128,9 @@ class ModelRunner:
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
-        if self.graphs is not None and meta.max_query_len == 1:
-            hidden = self.graphs.forward(input_ids, positions, meta)
+        graphs = self.graphs if meta.max_query_len == 1 else self.mixed_graphs
+        if graphs is not None:
+            hidden = graphs.forward(input_ids, positions, meta)
             if hidden is not None:
                 return hidden
         return self.model(input_ids, positions, meta, self.kv_caches)

@@ -4,10 +4,23 @@ Only matmul, RMSNorm, attention and log_softmax reduce, and SwiGLU's silu is the
 transcendental pointwise op (torch computes exp in its vectorised loop body and libm's in the
 scalar tail, which can differ by an ulp, and where a row falls depends on the batch);
 everything else in the decoder is a gather or one IEEE +, * or rounding per element, which
-gives the same bits in any loop, so it is batch-invariant already. `make_ops("default")` uses
-plain torch: fast, but its reduction order may depend on how many rows are in the batch.
-`make_ops("batch_invariant")` routes those ops through `kernels`, whose results for one row
-never depend on the rest of the batch.
+gives the same bits in any loop, so it is batch-invariant already. `make_ops("default")` is
+what a tuned engine runs: fast, but its reduction order may depend on how many rows are in the
+batch. `make_ops("batch_invariant")` routes those ops through `kernels`, whose results for one
+row never depend on the rest of the batch.
+
+Default mode, by device:
+- CUDA: what a user of a tuned engine (vLLM) gets, so that batch_invariant / default is the
+  price of invariance and nothing else. cuBLAS matmuls (F.linear, whose kernel and split-K
+  choice follow the batch's row count: the mode's one source of batch dependence here);
+  fused RMSNorm, with the residual add fused in, as vLLM's rms_norm / fused_add_rms_norm
+  kernels do (one program per row): our Triton kernel, since torch's F.rms_norm fuses no
+  residual add and the two kernels then cost the same in both modes; the same paged attention
+  kernel as batch_invariant (kernels.attention: K/V stored, then read through the block
+  table, no gather), so default-mode steps are captured in the same CUDA graphs;
+  F.log_softmax.
+- CPU: plain torch as before (MKL matmuls, torch's RMSNorm math, SDPA over the gathered
+  cache): the CPU tests' negative controls rely on it differing between batch compositions.
 """
 
 from __future__ import annotations
@@ -23,7 +36,8 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class DefaultOps:
-    """Plain torch: cuBLAS / MKL matmuls, torch RMSNorm math, SDPA over the gathered cache."""
+    """cuBLAS / MKL matmuls; on CUDA fused norms and paged attention (see the module
+    docstring), on the CPU torch RMSNorm math and SDPA over the gathered cache."""
 
     mode = "default"
 
@@ -33,6 +47,8 @@ class DefaultOps:
         return F.linear(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.is_cuda:
+            return _kernels().rms_norm(x, weight, eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return weight * xf.to(x.dtype)
@@ -40,6 +56,8 @@ class DefaultOps:
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.is_cuda:
+            return _kernels().add_rms_norm(x, residual, weight, eps)
         residual = x + residual
         return self.rms_norm(residual, weight, eps), residual
 
@@ -54,6 +72,12 @@ class DefaultOps:
     ) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]
         k_cache, v_cache = kv_cache
+        if q.is_cuda:
+            from kernels.attention import paged_attention, store_kv
+
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            return paged_attention(q, k_cache, v_cache, meta.block_tables,
+                                   meta.query_start_loc, meta.seq_lens, scale)
         _store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return _padded_sdpa(q, k_cache, v_cache, meta, scale)
 
@@ -127,6 +151,12 @@ def make_ops(mode: str) -> Ops:
     if mode == "batch_invariant":
         return BatchInvariantOps()
     raise ValueError(f"unknown numeric mode {mode!r}; expected one of {MODES}")
+
+
+def _kernels():
+    import kernels
+
+    return kernels
 
 
 def _store_kv(
