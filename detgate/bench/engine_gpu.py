@@ -47,7 +47,7 @@ from worker.tools.random_model import load_random
 
 T0 = time.time()
 PHASES = ("kernel_check", "build", "warmup", "decode_step", "determinism", "score", "cost",
-          "cost_eager")
+          "cost_mixed_eager", "cost_eager")
 
 
 def log(*parts) -> None:
@@ -74,13 +74,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-mb", type=int, default=None, help="per engine (CUDA: 16 GiB)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--no-reference", action="store_true",
-                   help=f"CUDA: skip the {REFERENCE} cost reference")
+    p.add_argument("--reference", action="store_true",
+                   help=f"CUDA: also run {REFERENCE} (default mode with the paged attention "
+                        "swapped in: the old fair reference; default mode on CUDA now has it)")
+    p.add_argument("--no-reference", action="store_true", help="(the default; kept for old "
+                   "command lines)")
     p.add_argument("--deadline", type=float, default=400.0, help="seconds; later phases skip")
     p.add_argument("--phases", default=",".join(PHASES),
                    help="comma-separated subset of: " + ", ".join(PHASES))
     p.add_argument("--capture-width", type=int, default=1024,
                    help="warm-up captures decode graphs up to this context width")
+    p.add_argument("--mixed-capture-width", type=int, default=256,
+                   help="warm-up captures mixed-step graphs up to this context width")
     return p
 
 
@@ -135,7 +140,7 @@ class Experiment:
         info = {}
         for mode in MODES:
             self.engines[mode], info[mode] = self._engine(mode)
-        if self.args.device == "cuda" and not self.args.no_reference:
+        if self.args.device == "cuda" and self.args.reference and not self.args.no_reference:
             self.reference, info[REFERENCE] = self._engine("default", paged_attention=True)
         return info
 
@@ -173,13 +178,33 @@ class Experiment:
         shapes = self.cost_requests(output=(2, 2), seed=98)
         reqs += [dataclasses.replace(r, request_id=f"shape-{r.request_id}") for r in shapes]
         engines = {**self.engines, **({REFERENCE: self.reference} if self.reference else {})}
+        cuda = self.args.device == "cuda"
         for mode, engine in engines.items():
             start = time.time()
-            graphs = engine.runner.graphs
+            graphs, mixed = engine.runner.graphs, engine.runner.mixed_graphs
+            if cuda:
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_reserved()
             captured = graphs.capture_all(self.args.capture_width) if graphs else 0
+            decode_s = time.time() - start
+            # Mixed steps: every token bucket at the widths the cost workload needs (longer
+            # contexts are captured on first use).
+            mixed_n = mixed.capture_all(self.args.mixed_capture_width) if mixed else 0
+            mixed_s = time.time() - start - decode_s
+            memory = None
+            if cuda:
+                torch.cuda.synchronize()
+                memory = round((torch.cuda.memory_reserved() - before) / 2**20)
             _, stats = wl.run(engine, reqs, arrival_seed=5)
             info[mode] = {"graphs": captured, "graph_failed": bool(graphs and graphs.failed),
+                          "decode_capture_seconds": round(decode_s, 1),
+                          "mixed_graphs": mixed_n,
+                          "mixed_graph_failed": bool(mixed and mixed.failed),
+                          "mixed_capture_seconds": round(mixed_s, 1),
+                          "mixed_buckets": mixed.buckets if mixed else None,
+                          "capture_reserved_mib": memory,
                           "seconds": round(time.time() - start, 1), "steps": stats.steps}
+            log(mode, info[mode])
         return info
 
     def determinism(self) -> dict:
@@ -215,14 +240,12 @@ class Experiment:
             row = {}
             for mode in order:
                 _, stats = wl.run(self.engines[mode], reqs, arrival_seed=None)
-                row[mode] = {**stats.__dict__,
-                             "tokens_per_s": stats.generated_tokens / stats.seconds}
+                row[mode] = _cost_row(stats)
                 log(mode, row[mode])
             row["ratio"] = row["batch_invariant"]["seconds"] / row["default"]["seconds"]
             if self.reference is not None:
                 _, stats = wl.run(self.reference, reqs, arrival_seed=None)
-                row[REFERENCE] = {**stats.__dict__,
-                                  "tokens_per_s": stats.generated_tokens / stats.seconds}
+                row[REFERENCE] = _cost_row(stats)
                 log(REFERENCE, row[REFERENCE])
                 row["ratio_vs_reference"] = (row["batch_invariant"]["seconds"]
                                              / row[REFERENCE]["seconds"])
@@ -233,15 +256,25 @@ class Experiment:
 
     def cost_eager(self) -> dict:
         """The cost workload again with every step eager: what the CUDA graphs buy."""
+        return self._cost_without(decode=True)
+
+    def cost_mixed_eager(self) -> dict:
+        """The cost workload with decode-only steps in graphs, mixed steps eager (as before
+        mixed-step graphs): what those buy."""
+        return self._cost_without(decode=False)
+
+    def _cost_without(self, decode: bool) -> dict:
         engines = [*self.engines.values(), *([self.reference] if self.reference else [])]
-        saved = [engine.runner.graphs for engine in engines]
+        saved = [(engine.runner.graphs, engine.runner.mixed_graphs) for engine in engines]
         try:
             for engine in engines:
-                engine.runner.graphs = None
+                engine.runner.mixed_graphs = None
+                if decode:
+                    engine.runner.graphs = None
             return self.cost()
         finally:
-            for engine, graphs in zip(engines, saved, strict=True):
-                engine.runner.graphs = graphs
+            for engine, (graphs, mixed) in zip(engines, saved, strict=True):
+                engine.runner.graphs, engine.runner.mixed_graphs = graphs, mixed
 
     def score(self) -> dict:
         """Sampled needles and fillers, scored teacher-forced, all in one batch."""
@@ -297,9 +330,18 @@ class Experiment:
             self.phase("score", self.score)
         self.phase("cost", self.cost)
         if self.args.device == "cuda" and not self.args.enforce_eager:
+            self.phase("cost_mixed_eager", self.cost_mixed_eager)
             self.phase("cost_eager", self.cost_eager)
         self.result["total_seconds"] = round(time.time() - T0, 1)
         self.save()
+
+
+def _cost_row(stats: wl.RunStats) -> dict:
+    mixed_steps = stats.steps - stats.decode_only_steps
+    return {**stats.__dict__, "tokens_per_s": stats.generated_tokens / stats.seconds,
+            "decode_step_ms": 1e3 * stats.decode_only_seconds / max(stats.decode_only_steps, 1),
+            "mixed_steps": mixed_steps,
+            "mixed_step_ms": 1e3 * stats.mixed_seconds / max(mixed_steps, 1)}
 
 
 @torch.inference_mode()

@@ -16,9 +16,8 @@ import pytest
 import torch
 
 from detgate.contract.compare import logprob_bits
-from tests.worker.paged_forward import allocate, make_caches
+from tests.worker.paged_forward import make_caches, mixed_steps
 from worker.engine import offline as wl
-from worker.engine.attention_metadata import AttentionMetadata
 from worker.engine.config import EngineConfig
 from worker.engine.cuda_graphs import DecodeGraphs, MixedGraphs, graph_batch_sizes, token_buckets
 from worker.engine.engine import Engine
@@ -106,64 +105,19 @@ def test_negative_control_default_mode_mixed_padding_differs(tiny_model):
     assert padded != eager
 
 
-def _mixed_step(seqs, counts, block_size):
-    """Inputs of one step: each sequence's next counts[i] tokens (a prefill chunk, or one
-    decode token), its table padded with -1 as the runner pads it."""
-    ids, pos, slots, qsl, lens = [], [], [], [0], []
-    for s, n in zip(seqs, counts, strict=True):
-        new = range(s.cached, s.cached + n)
-        ids += [s.token_ids[p] for p in new]
-        pos += list(new)
-        slots += [s.blocks[p // block_size] * block_size + p % block_size for p in new]
-        qsl.append(qsl[-1] + n)
-        lens.append(s.cached + n)
-    width = max(len(s.blocks) for s in seqs)
-    tables = torch.tensor([s.blocks + [-1] * (width - len(s.blocks)) for s in seqs],
-                          dtype=torch.int32)
-    meta = AttentionMetadata(torch.tensor(qsl, dtype=torch.int32),
-                             torch.tensor(lens, dtype=torch.int32), tables,
-                             torch.tensor(slots), max(counts), max(lens))
-    return torch.tensor(ids), torch.tensor(pos), meta
-
-
 @pytest.mark.parametrize("mode", ["batch_invariant", "default"])
 def test_mixed_forward_bits(tiny_model, mode):
-    """Forward level: steps mixing prefill chunks (whole prompts, chunks after a cached part)
-    and decodes, eager against the padded static-buffer path, hidden states compared as bit
-    patterns; default mode must differ somewhere (negative control)."""
+    """Forward level: steps mixing prefill chunks and decodes, eager against the padded
+    static-buffer path, hidden states compared as bit patterns; default mode must differ
+    somewhere (negative control)."""
     loaded = loaded_model(tiny_model, mode)
     rng = random.Random(4)
     vocab = loaded.config.vocab_size
     prompts = [[rng.randrange(100, vocab) for _ in range(rng.randint(5, 60))] for _ in range(9)]
-    results = {}
-    for padded in (False, True):
-        caches = make_caches(loaded.model, 64)
-        seqs = allocate(prompts)
-        graphs = mixed_graphs(loaded, caches, 16, 2048, 63) if padded else None
-        hidden = []
-        rng_steps = random.Random(5)
-        while any(s.cached < len(s.token_ids) for s in seqs):
-            live = [s for s in seqs if s.cached < len(s.token_ids)]
-            step_seqs = rng_steps.sample(live, k=min(len(live), rng_steps.randint(1, 6)))
-            counts = []
-            for s in step_seqs:
-                left = len(s.token_ids) - s.cached
-                counts.append(1 if rng_steps.random() < 0.5 else rng_steps.randint(1, left))
-            while sum(counts) > MAX_TOKENS:
-                counts[counts.index(max(counts))] //= 2
-            ids, pos, meta = _mixed_step(step_seqs, counts, 16)
-            with torch.inference_mode():
-                out = graphs.forward(ids, pos, meta) if padded else \
-                    loaded.model(ids, pos, meta, caches)
-            assert out is not None and out.shape[0] == sum(counts)
-            hidden.append(out.clone().view(torch.int32))
-            for s, n in zip(step_seqs, counts, strict=True):
-                s.cached += n
-        results[padded] = hidden
-        if padded:
-            assert len({t for t, _ in graphs.graphs}) >= 2
-    same = [torch.equal(a, b) for a, b in zip(results[False], results[True], strict=True)]
-    if mode == "batch_invariant":
-        assert all(same)
-    else:
-        assert not all(same)
+    eager = mixed_steps(loaded.model, make_caches(loaded.model, 64), prompts, 5, MAX_TOKENS)
+    caches = make_caches(loaded.model, 64)
+    graphs = mixed_graphs(loaded, caches, 16, 2048, 63)
+    padded = mixed_steps(loaded.model, caches, prompts, 5, MAX_TOKENS, graphs.forward)
+    assert len({t for t, _ in graphs.graphs}) >= 2
+    same = [torch.equal(a, b) for a, b in zip(eager, padded, strict=True)]
+    assert all(same) if mode == "batch_invariant" else not all(same)

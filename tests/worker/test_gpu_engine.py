@@ -3,7 +3,12 @@ with decode steps replayed from CUDA graphs.
 
 - needle in a batch: one prompt alone, then among concurrent requests of random lengths that
   join step by step, gives the same token ids and bitwise-equal logprobs;
-- CUDA graphs change nothing: the same traffic run eagerly gives the same bits;
+- CUDA graphs change nothing: the same traffic run eagerly gives the same bits (decode-only
+  steps and steps that mix prefill chunks and decodes are both replayed from graphs);
+- mixed steps captured vs eager, at the forward level: steps of prefill chunks and decodes,
+  each replayed from its token bucket's graph (padding tokens, empty sequences), give the eager
+  forward's hidden bits; on the Qwen3-8B-wide model too, where default mode (cuBLAS picks its
+  kernel by M) must differ (negative control);
 - the trainer's view: teacher-forced scoring (one pass, no KV reuse) equals the sampled
   logprobs bitwise;
 - negative control: default mode (cuBLAS, SDPA) shows differences on the same traffic, on a
@@ -13,12 +18,15 @@ with decode steps replayed from CUDA graphs.
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 import torch
 
+from tests.worker.paged_forward import make_caches, mixed_steps
 from worker.engine import offline as wl
 from worker.engine.config import EngineConfig
+from worker.engine.cuda_graphs import MixedGraphs
 from worker.engine.engine import Engine
 from worker.model.loader import load
 from worker.tools.make_model import PRESETS
@@ -69,16 +77,20 @@ def test_needle_in_batch_is_bit_identical_with_cuda_graphs(tiny_model, dtype):
     alone, crowded, stats = alone_and_crowded(eng)
     assert stats.max_batch_size > 16 and stats.decode_only_steps > 0
     assert eng.runner.graphs is not None and eng.runner.graphs.graphs  # graphs were replayed
-    assert not eng.runner.graphs.failed
+    assert eng.runner.mixed_graphs is not None and eng.runner.mixed_graphs.graphs
+    assert not eng.runner.graphs.failed and not eng.runner.mixed_graphs.failed
     assert len(alone.token_ids) == NEEDLE_TOKENS
     assert needle_results(crowded) == [(alone.token_ids, alone.logprobs)] * 6
 
 
 def test_cuda_graphs_equal_eager(tiny_model):
     reqs = traffic(_vocab(tiny_model))
-    graphs, _ = wl.run(engine(tiny_model, "batch_invariant", "bfloat16"), reqs, arrival_seed=3)
+    graph_engine = engine(tiny_model, "batch_invariant", "bfloat16")
+    graphs, _ = wl.run(graph_engine, reqs, arrival_seed=3)
+    assert graph_engine.runner.graphs.graphs and graph_engine.runner.mixed_graphs.graphs
+    assert not graph_engine.runner.mixed_graphs.failed
     eager_engine = engine(tiny_model, "batch_invariant", "bfloat16", enforce_eager=True)
-    assert eager_engine.runner.graphs is None
+    assert eager_engine.runner.graphs is None and eager_engine.runner.mixed_graphs is None
     eager, _ = wl.run(eager_engine, reqs, arrival_seed=11)  # other arrivals too
     assert {k: (c.token_ids, c.logprobs) for k, c in graphs.items()} == \
            {k: (c.token_ids, c.logprobs) for k, c in eager.items()}
@@ -129,3 +141,45 @@ def test_negative_control_default_mode_differs(wide_models):
 
 def _vocab(tiny_model) -> int:
     return engine(tiny_model, "batch_invariant", "bfloat16").runner.model_config.vocab_size
+
+
+MIXED_MAX_TOKENS = 256  # token buckets 16, 32, 64, 128, 256
+
+
+def captured_vs_eager(loaded, seed: int) -> tuple[list[bool], MixedGraphs]:
+    """Random mixed steps (prefill chunks + decodes, up to 256 tokens) run eagerly on one
+    cache, and replayed from captured mixed-step graphs on another: per step, whether the
+    hidden states are bit-identical."""
+    model = loaded.model
+    rng = random.Random(seed)
+    vocab = loaded.config.vocab_size
+    prompts = [[rng.randrange(100, min(vocab, 100_000)) for _ in range(rng.randint(5, 200))]
+               for _ in range(12)]
+    eager = mixed_steps(model, make_caches(model, 256, "cuda"), prompts, seed,
+                        MIXED_MAX_TOKENS, device="cuda")
+    caches = make_caches(model, 256, "cuda")
+    graphs = MixedGraphs(model, caches, max_seqs=16, max_tokens=MIXED_MAX_TOKENS,
+                         block_size=16, max_model_len=1024, padding_block=255,
+                         hidden_size=loaded.config.hidden_size, dtype=loaded.config.dtype)
+    captured = mixed_steps(model, caches, prompts, seed, MIXED_MAX_TOKENS, graphs.forward,
+                           device="cuda")
+    assert not graphs.failed and all(g is not None for g in graphs.graphs.values())
+    assert len({t for t, _ in graphs.graphs}) >= 3  # several token buckets were replayed
+    return [torch.equal(a, b) for a, b in zip(eager, captured, strict=True)], graphs
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_mixed_steps_captured_equal_eager(tiny_model, dtype):
+    engine(tiny_model, "batch_invariant", dtype)  # loads the model
+    same, _ = captured_vs_eager(_loaded["batch_invariant", dtype], seed=21)
+    assert all(same), f"{same.count(False)} of {len(same)} steps differ"
+
+
+def test_wide_model_mixed_steps_captured_equal_eager(wide_models):
+    same, _ = captured_vs_eager(wide_models["batch_invariant"], seed=22)
+    assert all(same), f"{same.count(False)} of {len(same)} steps differ"
+
+
+def test_negative_control_default_mode_mixed_steps_captured_differ(wide_models):
+    same, _ = captured_vs_eager(wide_models["default"], seed=22)
+    assert not all(same)
