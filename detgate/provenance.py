@@ -23,7 +23,10 @@ def utc_now() -> str:
 
 def git_commit() -> str | None:
     """HEAD of the checkout this code runs from, with "-dirty" when tracked files changed;
-    DETGATE_GIT_COMMIT when the tree was copied without .git (as onto a GPU machine)."""
+    DETGATE_GIT_COMMIT when set (a tree copied onto a GPU machine, whose .git may be absent or
+    stale) or when there is no .git."""
+    if os.environ.get("DETGATE_GIT_COMMIT"):
+        return os.environ["DETGATE_GIT_COMMIT"]
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
                              text=True, check=True).stdout.strip()

@@ -83,12 +83,12 @@ def test_negative_control_default_mode_padding_differs(tiny_model):
 
 
 def test_token_buckets():
-    assert token_buckets(8192)[:6] == [16, 32, 64, 128, 256, 512]
-    assert token_buckets(8192)[-1] == 8192 and len(token_buckets(8192)) == 4 + 32
-    assert token_buckets(1000) == [16, 32, 64, 128, 256, 512, 768, 1000]
+    assert token_buckets(8192)[:6] == [16, 32, 64, 128, 256, 384]
+    assert token_buckets(8192)[-1] == 8192 and len(token_buckets(8192)) == 3 + 64
+    assert token_buckets(1000) == [16, 32, 64, *range(128, 1000, 128), 1000]
     assert token_buckets(64) == [16, 32, 64]
     assert token_buckets(10) == [10]
-    assert token_buckets(512, step=128) == [16, 32, 64, 128, 256, 384, 512]
+    assert token_buckets(1024, step=256) == [16, 32, 64, 128, 256, 512, 768, 1024]
 
 
 def test_mixed_steps_padded_are_bit_identical(tiny_model):

@@ -172,10 +172,12 @@ class DecodeGraphs:
 
 # -- steps that mix prefill chunks and decodes ---------------------------------------------
 
-def token_buckets(max_tokens: int, step: int = 256) -> list[int]:
-    """Scheduled-token counts that mixed-step graphs are captured for: 16, 32, 64, 128, then
-    every multiple of `step`, up to max_tokens (always included). A step of t tokens runs in the
-    smallest bucket >= t, so it carries fewer than `step` padding tokens."""
+def token_buckets(max_tokens: int, step: int = 128) -> list[int]:
+    """Scheduled-token counts that mixed-step graphs are captured for: 16, 32, 64, then every
+    multiple of `step`, up to max_tokens (always included). A step of t tokens runs in the
+    smallest bucket >= t, so it carries fewer than `step` padding tokens. Above 256 rows the
+    matmul's tiles are 128 rows high (kernels/matmul.py pick_config), so padding up to the next
+    multiple of 128 adds no tile the eager step would not run."""
     sizes = [t for t in (16, 32, 64, 128) if t < min(step, max_tokens)]
     sizes += list(range(step, max_tokens, step))
     return sorted({*sizes, max_tokens})
@@ -196,7 +198,7 @@ class MixedGraphs:
     - sequence S-1 is the padding sequence: it owns the P = T - t padding tokens (token 0,
       positions 0..P-1), its K/V go to the padding block (a KV block the block manager never
       hands out) and its block table row is all padding block, so it reads nothing else. The
-      padding tokens attend causally among themselves (P < the bucket step, a few hundred at
+      padding tokens attend causally among themselves (P < the bucket step, 128 tokens at
       most, so their cost is small), giving finite values in rows that are then dropped.
 
     The hidden states are copied, inside the graph, into one output buffer shared by every
@@ -231,7 +233,7 @@ class MixedGraphs:
         self.capture = capture
         self.widths = _widths(max_model_len, block_size)
         # Padding tokens must fit the padding sequence's table row: fewer than a width.
-        self.buckets = token_buckets(max_tokens, step=min(256, self.widths[0]))
+        self.buckets = token_buckets(max_tokens, step=min(128, self.widths[0]))
         self.num_seqs = max_seqs + 1  # the last one is the padding sequence
         device = kv_caches[0][0].device
         s, n = self.num_seqs, max_tokens
