@@ -10,7 +10,7 @@ Phases:
 2. cross-config bits: every tile config (and the pointer path) gives the same bits on every
    projection shape at several M, so the shape-dependent choice cannot change a result;
 3. with --tune: time every candidate config on every (shape, M) and use the fastest per M
-   bucket as kernels.matmul.TUNED_16BIT for the rest of the run (printed, to be committed);
+   bucket as kernels.matmul_triton.TUNED_16BIT for the rest of the run (printed, to be committed);
 4. the benchmark (kernels.bench.run_all);
 5. invariance sweeps with the dispatch in force: M = 1..8192 on every projection (lm_head:
    1..1024, then every 7th M), fp16/fp32 spot sweeps, rms_norm / log_softmax rows, and the
@@ -34,7 +34,7 @@ import torch
 
 from kernels import bench
 
-mm = import_module("kernels.matmul")
+mm = import_module("kernels.matmul_triton")
 RESULT: dict = {}
 # Configs whose bits differed from the reference config: never chosen by the tuning.
 BIT_DIFFERENT: set[str] = set()
@@ -173,8 +173,8 @@ def sweeps() -> dict:
         bad = mismatches(mm.matmul, a, w.t(), ms)
         report[f"matmul o_proj {dtype}"] = {"m_tested": len(ms), "mismatched_m": bad}
         log(f"sweep o_proj {dtype}: {len(bad)} mismatched of {len(ms)}")
-    rn = import_module("kernels.rmsnorm")
-    ls = import_module("kernels.log_softmax")
+    rn = import_module("kernels.rmsnorm_triton")
+    ls = import_module("kernels.log_softmax_triton")
     x = torch.randn(8192, bench.HIDDEN, device="cuda", dtype=torch.bfloat16)
     r = torch.randn_like(x)
     wn = torch.randn(bench.HIDDEN, device="cuda", dtype=torch.bfloat16)

@@ -87,7 +87,7 @@ def matmul_rows(m_values=bench.M_VALUES) -> list[dict]:
 
 
 def norm_rows(m_values=(1, 8, 64, 512, 4096)) -> list[dict]:
-    rn = import_module("kernels.rmsnorm")
+    rn = import_module("kernels.rmsnorm_triton")
     rows = []
     w = torch.randn(bench.HIDDEN, device="cuda", dtype=torch.bfloat16)
     for m in m_values:

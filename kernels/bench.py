@@ -53,7 +53,7 @@ class Row:
 
 
 def _matmul_mod():
-    return import_module("kernels.matmul")
+    return import_module("kernels.matmul_triton")
 
 
 def time_calls(call: Callable[[int], object], copies: int, out_bytes: int,
@@ -143,7 +143,7 @@ def _torch_add_rms_norm(x, r, w, eps):
 
 
 def bench_rms_norm(m_values=M_VALUES) -> list[Row]:
-    rn = import_module("kernels.rmsnorm")
+    rn = import_module("kernels.rmsnorm_triton")
     w = torch.randn(HIDDEN, device="cuda", dtype=torch.bfloat16)
     shape = f"[M,{HIDDEN}] bf16"
     rows = []
@@ -164,7 +164,7 @@ def bench_rms_norm(m_values=M_VALUES) -> list[Row]:
 
 
 def bench_log_softmax(m_values=M_VALUES) -> list[Row]:
-    ls = import_module("kernels.log_softmax")
+    ls = import_module("kernels.log_softmax_triton")
     rows = []
     for m in m_values:
         nbytes = m * VOCAB * 4
