@@ -3,7 +3,7 @@
 Bitwise batch invariance over M (rows of a large batch equal the same rows computed in any
 smaller batch), equality of every tile config's bits (so the shape-dependent tile choice can
 never change a result), and the negative control: cuBLAS is not invariant on these shapes.
-The full M = 1..8192 sweep of every projection runs in bench/gpu_kernels.py.
+The full M = 1..8192 sweep of every projection runs in detgate/bench/kernels_proof.py.
 """
 
 from __future__ import annotations
