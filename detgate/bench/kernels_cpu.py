@@ -102,18 +102,18 @@ def main(args) -> int:
     from kernels.cpu_ext import load
 
     threads = (args.threads,) if args.threads else tuple(sorted({1, torch.get_num_threads()}))
-    rows = run(threads)
-    for r in rows["rows"]:
+    measured = run(threads)
+    for r in measured["rows"]:
         print(f"{r['op']:12s} {r['shape']:30s} {r['dtype']:8s} t={r['threads']} M={r['m']:5d}  "
               f"ours {r['ours_ms']:9.3f} ms  torch {r['torch_ms']:9.3f} ms  "
               f"ratio {r['ratio']:5.2f}")
-    for r in rows["attention"]:
+    for r in measured["attention"]:
         print(f"{r['op']:17s} B={r['batch']:<3d} L={r['context']:<4d} q={r['q_len']:<3d} "
               f"t={r['threads']}  ours {r['ours_ms']:9.3f} ms  sdpa {r['sdpa_ms']:9.3f} ms  "
               f"ratio {r['ratio']:5.2f}")
     result = {"benchmark": "kernels-cpu", "date": utc_now(), "commit": git_commit(),
               "device": cpu_model(), "cpu_kernels": load().isa(),
               "versions": versions("torch"), "timer": "host perf_counter, eager calls",
-              "ratio": "torch time / ours (above 1: ours faster)", **rows}
+              "ratio": "torch time / ours (above 1: ours faster)", **measured}
     print(f"wrote {save_result(result, 'kernels-cpu', args.json)}")
     return 0
