@@ -18,7 +18,6 @@ def build_parser() -> argparse.ArgumentParser:
     from detgate.audit import cli as audit_cli
     from detgate.bench import cli as bench_cli
     from gateway import cli as gateway_cli
-    from kernels import cli as kernels_cli
     from worker import cli as worker_cli
 
     parser = argparse.ArgumentParser(
@@ -36,7 +35,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="TARGET")
     bench_cli.register_bench(bench_sub)
     gateway_cli.register_bench(bench_sub)
-    kernels_cli.register_bench(bench_sub)
     return parser
 
 

@@ -6,8 +6,6 @@ tensors to the Triton kernels (imported on first use, so this package imports wi
 
 from __future__ import annotations
 
-import sys
-import types
 from importlib import import_module
 from typing import TYPE_CHECKING
 
@@ -19,28 +17,11 @@ __all__ = ["add_rms_norm", "log_softmax", "matmul", "rms_norm", "set_batch_invar
 
 # op name -> module holding its CUDA (Triton) implementation, under the same name.
 _CUDA_MODULES = {
-    "matmul": "kernels.matmul",
-    "rms_norm": "kernels.rmsnorm",
-    "add_rms_norm": "kernels.rmsnorm",
-    "log_softmax": "kernels.log_softmax",
+    "matmul": "kernels.matmul_triton",
+    "rms_norm": "kernels.rmsnorm_triton",
+    "add_rms_norm": "kernels.rmsnorm_triton",
+    "log_softmax": "kernels.log_softmax_triton",
 }
-
-
-class _Package(types.ModuleType):
-    """Keeps the public names bound to the functions below.
-
-    Importing the submodule `kernels.matmul` (or `kernels.log_softmax`) makes Python bind the
-    package attribute of that name to the submodule, which would shadow the function. The
-    Triton modules are reached with `importlib.import_module("kernels.matmul")` instead.
-    """
-
-    def __setattr__(self, name: str, value) -> None:
-        if name in __all__ and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 def _impl(name: str, x: torch.Tensor):

@@ -27,11 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 64  # rows (query x group head) per program
-BLOCK_N = 64  # KV positions per tile
+from kernels.attention_tiles import SHIPPED
+
+# BLOCK_M: rows (query x group head) per program; BLOCK_N: KV positions per tile.
+BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = SHIPPED
 KV_SPLIT = 1024  # KV positions per split: a multiple of BLOCK_N
-NUM_WARPS = 4
-NUM_STAGES = 3
 COMBINE_HEADS = 2  # heads x head-dim slice per combine program: spread the merge loops wide
 COMBINE_DIMS = 64
 _LOG2E = 1.4426950408889634

@@ -3,8 +3,8 @@
 Inside the context, aten mm, addmm, bmm (so nn.Linear, F.linear and torch.matmul, which
 decompose into them), _log_softmax and mean.dim go to `kernels.matmul` / `kernels.log_softmax`,
 which dispatch by device (Triton on CUDA, the CPU implementation on CPU); a CUDA mean is a
-fixed-order row sum (`kernels.rmsnorm.row_sum`), a CPU one a matmul with ones. Everything else runs
-unchanged. Leaving the context restores the normal kernels.
+fixed-order row sum (`kernels.rmsnorm_triton.row_sum`), a CPU one a matmul with ones.
+Everything else runs unchanged. Leaving the context restores the normal kernels.
 
 The routing is a `torch.library` registration of those five ops for the CPU and CUDA keys,
 made when the first thread enters the context and removed when the last one leaves. Only the
@@ -106,8 +106,8 @@ def _mean_dim(x: torch.Tensor, dim=None, keepdim: bool = False, dtype=None
         return torch.full(_mean_shape(x, dims, kept, keepdim), float("nan"), dtype=out_dtype,
                           device=x.device)
     if rows.is_cuda:
-        # One program per row, one fixed order set by the length (kernels/rmsnorm.py).
-        total = import_module("kernels.rmsnorm").row_sum(rows)
+        # One program per row, one fixed order set by the length (kernels/rmsnorm_triton.py).
+        total = import_module("kernels.rmsnorm_triton").row_sum(rows)
     else:
         # The sum of each row is a fp32 matmul with ones: one fixed K order per row, whatever
         # the number of rows. Eight columns, not one: a single column takes GEMV paths on CPU

@@ -1,3 +1,4 @@
-"""The engine and model benchmarks behind `detgate bench engine|model`, the in-process engine
-experiment (`python -m detgate.bench.engine_gpu`) and its GPU self-check. Results go to
-bench/results/; `detgate bench gateway|kernels` live with their packages."""
+"""The benchmarks behind `detgate bench engine|model|kernels` (`cli.py` registers them), the
+in-process engine experiment (`python -m detgate.bench.engine_gpu`) with its GPU self-check,
+and the kernels' GPU session (`python -m detgate.bench.kernels_proof`). Results go to
+bench/results/; `detgate bench gateway` lives with the gateway."""

@@ -1,6 +1,9 @@
-"""`detgate bench engine` and `detgate bench model` (argument parsing only)."""
+"""`detgate bench engine`, `detgate bench model` and `detgate bench kernels` (argument parsing
+only: each benchmark module is imported when its command runs)."""
 
 from __future__ import annotations
+
+from importlib import import_module
 
 from worker.cli import add_engine_args
 
@@ -8,6 +11,7 @@ from worker.cli import add_engine_args
 def register_bench(bench_sub) -> None:
     _register_engine(bench_sub)
     _register_model(bench_sub)
+    _register_kernels(bench_sub)
 
 
 def _register_engine(bench_sub) -> None:
@@ -28,3 +32,31 @@ def _register_model(bench_sub) -> None:
     __import__("detgate.bench.model", fromlist=["register_args"]).register_args(p)
     p.set_defaults(func=lambda args: __import__("detgate.bench.model",
                                                 fromlist=["main"]).main(args))
+
+
+def _register_kernels(bench_sub) -> None:
+    p = bench_sub.add_parser("kernels", help="batch-invariant kernels vs torch (cuBLAS, SDPA)")
+    p.add_argument("--json", default=None, help="write the result JSON here")
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                   help="which kernels (default: cuda if there is one, else cpu)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU: torch threads (default: 1 and all of them)")
+    p.add_argument("--eager", action="store_true",
+                   help="CUDA: time eager launches (host cost included) and in-graph side by "
+                        "side, and the set_batch_invariant_mode() overhead on a transformers "
+                        "model (detgate/bench/kernels_eager.py)")
+    p.add_argument("--skip-model", action="store_true", help="with --eager: no model")
+    p.add_argument("--model-only", action="store_true", help="with --eager: only the model")
+    p.set_defaults(func=_run_kernels)
+
+
+def _run_kernels(args) -> int:
+    import torch
+
+    if args.eager:
+        module = "kernels_eager"
+    elif args.device == "cpu" or not torch.cuda.is_available():
+        module = "kernels_cpu"
+    else:
+        module = "kernels_gpu"
+    return import_module(f"detgate.bench.{module}").main(args)

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import torch
 
-from kernels import attention
+from kernels import attention, reference
 
 # An implementation: anything with `store_kv` and `paged_attention` as kernels.attention has.
 Impl = SimpleNamespace
@@ -114,3 +114,24 @@ def prefill(world: World, seqs: list[int], chunk: int | None = None, impl: Impl 
         for j, out in zip(owners, step(world, chunks, impl), strict=True):
             outs[j].append(out)
     return [torch.cat(o) for o in outs]
+
+
+def chunked_prefill(world: World, splits: list[int], impl: Impl | None = None) -> torch.Tensor:
+    """Sequence 0 prefilled over a fresh cache, `splits` new tokens per step; its whole output."""
+    cache = world.fresh_cache()
+    outs, start = [], 0
+    for n in splits:
+        outs.append(step(cache, [(0, start, start + n)], impl)[0])
+        start += n
+    return torch.cat(outs)
+
+
+def reference_output(world: World, i: int) -> torch.Tensor:
+    """`kernels.reference`'s attention of sequence i's every position over the world's cache."""
+    device = world.k_cache.device
+    n = world.q[i].shape[0]
+    table = torch.tensor([world.blocks[i]], dtype=torch.int32, device=device)
+    return reference.paged_attention(world.q[i], world.k_cache, world.v_cache, table,
+                                     torch.tensor([0, n], dtype=torch.int32, device=device),
+                                     torch.tensor([n], dtype=torch.int32, device=device),
+                                     world.q[i].shape[2]**-0.5)

@@ -7,8 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
-from tests.kernels.paged_cases import World, make_world, prefill, step, with_block_size
+from tests.kernels.paged_cases import (
+    chunked_prefill,
+    make_world,
+    prefill,
+    reference_output,
+    step,
+    with_block_size,
+)
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 CONFIGS = [  # (Hq, Hkv, D, dtype)
@@ -18,15 +24,6 @@ CONFIGS = [  # (Hq, Hkv, D, dtype)
 ]
 
 
-def _reference(world: World, i: int) -> torch.Tensor:
-    n = world.q[i].shape[0]
-    table = torch.tensor([world.blocks[i]], dtype=torch.int32)
-    return reference.paged_attention(world.q[i], world.k_cache, world.v_cache, table,
-                                     torch.tensor([0, n], dtype=torch.int32),
-                                     torch.tensor([n], dtype=torch.int32),
-                                     world.q[i].shape[2]**-0.5)
-
-
 @pytest.mark.parametrize(("hq", "hkv", "d", "dtype"), CONFIGS)
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_matches_reference(hq, hkv, d, dtype, block_size):
@@ -34,7 +31,8 @@ def test_matches_reference(hq, hkv, d, dtype, block_size):
     outs = prefill(world, [0, 1, 2, 3])
     for i, out in enumerate(outs):
         assert out.dtype == dtype and not out.isnan().any()
-        torch.testing.assert_close(out, _reference(world, i), atol=TOL[dtype], rtol=TOL[dtype])
+        tol = TOL[dtype]
+        torch.testing.assert_close(out, reference_output(world, i), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize(("hq", "hkv", "d", "dtype"), CONFIGS)
@@ -67,12 +65,7 @@ def test_decode_equals_same_position_in_prefill(hq, hkv, d, dtype):
 def test_chunked_prefill_equals_fresh_prefill(dtype, splits):
     world = make_world([128], 8, 2, 64, 32, dtype, seed=11)
     fresh = prefill(world, [0])[0]
-    chunked = world.fresh_cache()
-    outs, start = [], 0
-    for n in splits:
-        outs.append(step(chunked, [(0, start, start + n)])[0])
-        start += n
-    assert torch.equal(torch.cat(outs), fresh)
+    assert torch.equal(chunked_prefill(world, splits), fresh)
 
 
 def test_chunked_prefill_inside_a_mixed_batch():

@@ -12,9 +12,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
-from kernels.attention_bench import CONFIGS, config_name
-from tests.kernels.paged_cases import Impl, make_world, prefill, step
+from kernels.attention_tiles import CONFIGS, FIELDS, config_name
+from tests.kernels.paged_cases import (
+    Impl,
+    chunked_prefill,
+    make_world,
+    prefill,
+    reference_output,
+    step,
+)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -26,8 +32,7 @@ HQ, HKV, D = 32, 8, 128
 def at(request, monkeypatch):
     """The kernel module under each tile configuration the benchmark times."""
     module = import_module("kernels.attention_triton")
-    for name, value in zip(("BLOCK_M", "BLOCK_N", "NUM_WARPS", "NUM_STAGES"), request.param,
-                           strict=True):
+    for name, value in zip(FIELDS, request.param, strict=True):
         monkeypatch.setattr(module, name, value)
     return module
 
@@ -43,26 +48,16 @@ def test_matches_reference_both_launches(at):
     world = make_world(lens, HQ, HKV, D, 16, torch.bfloat16, "cuda", seed=1)
     fused = prefill(world, [0, 1, 2, 3], impl=_impl(at, False))
     split = prefill(world, [0, 1, 2, 3], impl=_impl(at, True))
-    for i, n in enumerate(lens):
+    for i in range(len(lens)):
         assert torch.equal(fused[i], split[i]), i
-        table = torch.tensor([world.blocks[i]], dtype=torch.int32, device="cuda")
-        ref = reference.paged_attention(world.q[i], world.k_cache, world.v_cache, table,
-                                        torch.tensor([0, n], dtype=torch.int32, device="cuda"),
-                                        torch.tensor([n], dtype=torch.int32, device="cuda"),
-                                        D**-0.5)
-        torch.testing.assert_close(fused[i], ref, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(fused[i], reference_output(world, i), atol=2e-2, rtol=2e-2)
 
 
 def test_fp32_matches_reference_without_tf32(at):
     world = make_world([200, 77], HQ, HKV, D, 32, torch.float32, "cuda", seed=2)
     outs = prefill(world, [0, 1], impl=_impl(at, None))
-    for i, n in enumerate([200, 77]):
-        table = torch.tensor([world.blocks[i]], dtype=torch.int32, device="cuda")
-        ref = reference.paged_attention(world.q[i], world.k_cache, world.v_cache, table,
-                                        torch.tensor([0, n], dtype=torch.int32, device="cuda"),
-                                        torch.tensor([n], dtype=torch.int32, device="cuda"),
-                                        D**-0.5)
-        torch.testing.assert_close(outs[i], ref, atol=1e-5, rtol=1e-5)
+    for i in range(2):
+        torch.testing.assert_close(outs[i], reference_output(world, i), atol=1e-5, rtol=1e-5)
 
 
 def test_decode_at_every_position_equals_prefill(at):
@@ -101,12 +96,7 @@ def test_chunked_prefill_equals_fresh_prefill(at, block_size, splits):
     world = make_world([total], HQ, HKV, D, block_size, torch.bfloat16, "cuda", seed=5)
     impl = _impl(at, None)
     fresh = prefill(world, [0], impl=impl)[0]
-    chunked = world.fresh_cache()
-    outs, start = [], 0
-    for n in splits:
-        outs.append(step(chunked, [(0, start, start + n)], impl)[0])
-        start += n
-    assert torch.equal(torch.cat(outs), fresh)
+    assert torch.equal(chunked_prefill(world, splits, impl), fresh)
 
 
 def test_dispatch_by_device_uses_triton():

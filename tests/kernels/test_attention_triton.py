@@ -23,8 +23,15 @@ from importlib import import_module  # noqa: E402
 import numpy as np  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
-from kernels import reference  # noqa: E402
-from tests.kernels.paged_cases import Impl, make_world, prefill, step, with_block_size  # noqa: E402
+from tests.kernels.paged_cases import (  # noqa: E402
+    Impl,
+    chunked_prefill,
+    make_world,
+    prefill,
+    reference_output,
+    step,
+    with_block_size,
+)
 
 at = import_module("kernels.attention_triton")
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -72,15 +79,6 @@ def _small_tiles(monkeypatch):
         monkeypatch.setattr(at, "KV_SPLIT", 32)
 
 
-def _reference(world, i: int) -> torch.Tensor:
-    n = world.q[i].shape[0]
-    table = torch.tensor([world.blocks[i]], dtype=torch.int32, device=DEVICE)
-    return reference.paged_attention(
-        world.q[i], world.k_cache, world.v_cache, table,
-        torch.tensor([0, n], dtype=torch.int32, device=DEVICE),
-        torch.tensor([n], dtype=torch.int32, device=DEVICE), world.q[i].shape[2]**-0.5)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_matches_reference_and_launch_shapes_agree(dtype):
     world = make_world([50, 1, 33], 4, 1, 16, 16, dtype, DEVICE, seed=1)
@@ -88,7 +86,7 @@ def test_matches_reference_and_launch_shapes_agree(dtype):
     split = prefill(world, [0, 1, 2], impl=SPLIT)
     for i, (f, s) in enumerate(zip(fused, split, strict=True)):
         assert torch.equal(f, s), f"fused and split launches differ for sequence {i}"
-        torch.testing.assert_close(f, _reference(world, i), atol=TOL[dtype], rtol=TOL[dtype])
+        torch.testing.assert_close(f, reference_output(world, i), atol=TOL[dtype], rtol=TOL[dtype])
 
 
 def test_sequence_alone_equals_sequence_among_many():
@@ -116,12 +114,7 @@ def test_decode_equals_same_position_in_prefill(impl):
 def test_chunked_prefill_equals_fresh_prefill(splits):
     world = make_world([128], 4, 1, 16, 32, torch.float32, DEVICE, seed=4)
     fresh = prefill(world, [0], impl=FUSED)[0]
-    chunked = world.fresh_cache()
-    outs, start = [], 0
-    for n in splits:
-        outs.append(step(chunked, [(0, start, start + n)], FUSED)[0])
-        start += n
-    assert torch.equal(torch.cat(outs), fresh)
+    assert torch.equal(chunked_prefill(world, splits, FUSED), fresh)
 
 
 def test_block_size_does_not_change_bits():

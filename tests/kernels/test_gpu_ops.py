@@ -3,7 +3,7 @@
 Bitwise batch invariance over M (rows of a large batch equal the same rows computed in any
 smaller batch), equality of every tile config's bits (so the shape-dependent tile choice can
 never change a result), and the negative control: cuBLAS is not invariant on these shapes.
-The full M = 1..8192 sweep of every projection runs in bench/gpu_kernels.py.
+The full M = 1..8192 sweep of every projection runs in detgate/bench/kernels_proof.py.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ M_SAMPLE = sorted(set(range(1, 130)) | {191, 255, 256, 257, 511, 512, 513, 1000,
 
 @pytest.fixture(scope="module")
 def mm():
-    return import_module("kernels.matmul")
+    return import_module("kernels.matmul_triton")
 
 
 def _weights(n, k, dtype=torch.bfloat16, seed=0):
@@ -91,7 +91,7 @@ def test_matmul_accuracy_and_no_tf32(mm, dtype, tol):
 
 
 def test_rms_norm_and_add_rms_norm_rows_do_not_depend_on_batch():
-    rn = import_module("kernels.rmsnorm")
+    rn = import_module("kernels.rmsnorm_triton")
     x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     r = torch.randn_like(x)
     w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
@@ -107,8 +107,8 @@ def test_rms_norm_and_add_rms_norm_rows_do_not_depend_on_batch():
 
 
 def test_fast_launch_equals_the_jit_launch_and_keeps_no_weight_alive():
-    mm = import_module("kernels.matmul")
-    rn = import_module("kernels.rmsnorm")
+    mm = import_module("kernels.matmul_triton")
+    rn = import_module("kernels.rmsnorm_triton")
     w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(700, 4096, device="cuda", dtype=torch.bfloat16)
@@ -128,7 +128,7 @@ def test_fast_launch_equals_the_jit_launch_and_keeps_no_weight_alive():
 
 
 def test_log_softmax_rows_do_not_depend_on_batch():
-    ls = import_module("kernels.log_softmax")
+    ls = import_module("kernels.log_softmax_triton")
     x = torch.randn(257, 151936, device="cuda") * 4
     full = ls.log_softmax(x)
     assert (full - torch.log_softmax(x.double(), -1)).abs().max().item() < 1e-4

@@ -17,17 +17,14 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
 
-from importlib import import_module  # noqa: E402
-
 import numpy as np  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
-# The package exports functions named like these modules: reach the modules themselves.
-reference = import_module("kernels.reference")
-mm_mod = import_module("kernels.matmul")
-rn_mod = import_module("kernels.rmsnorm")
-ls_mod = import_module("kernels.log_softmax")
+from kernels import log_softmax_triton as ls_mod  # noqa: E402
+from kernels import matmul_triton as mm_mod  # noqa: E402
+from kernels import reference  # noqa: E402
+from kernels import rmsnorm_triton as rn_mod  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -6,18 +6,18 @@ tiny: hidden 256, intermediate 768, vocab 151,936), M (rows in the batch) = 1, 4
 `torch.mm` (MKL for fp32, oneDNN for bf16), torch's RMSNorm arithmetic, `torch.log_softmax`,
 `F.silu(gate) * up`. `ratio` = torch's time / ours (1.0: invariance is free; below 1 it costs).
 Timings are the minimum over interleaved repetitions, so that other load on a shared machine
-hits both sides alike. Host timer: these are eager calls, host cost included.
+hits both sides alike. Host timer: these are eager calls, host cost included. The attention
+rows are `detgate.bench.attention`'s CPU rows (our kernel vs the padded SDPA of default mode).
 """
 
 from __future__ import annotations
-
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 import kernels
+from detgate.bench import attention
+from detgate.bench.timing import min_ms_pair
 from detgate.provenance import cpu_model, git_commit, save_result, utc_now, versions
 
 M_VALUES = (1, 4, 16, 64, 256, 1024)
@@ -28,19 +28,6 @@ SHAPES = {
                 "down": (1536, 576), "lm_head": (576, 49152)},
     "tiny": {"qkv": (256, 384), "gate_up": (256, 1536), "down": (768, 256)},
 }
-
-
-def min_ms_pair(ours: Callable[[], object], ref: Callable[[], object], reps: int = 15
-                ) -> tuple[float, float]:
-    """Minimum milliseconds of each, over interleaved repetitions (after one warm-up call)."""
-    ours(), ref()
-    t_ours, t_ref = [], []
-    for _ in range(reps):
-        for fn, times in ((ours, t_ours), (ref, t_ref)):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return min(t_ours) * 1e3, min(t_ref) * 1e3
 
 
 def _row(op: str, shape: str, m: int, dtype: torch.dtype, ours_ms: float, torch_ms: float
@@ -96,31 +83,37 @@ def rows_for(dtype: torch.dtype, m_values=M_VALUES) -> list[dict]:
     return rows
 
 
-def run(threads: tuple[int, ...]) -> list[dict]:
+def run(threads: tuple[int, ...]) -> dict[str, list[dict]]:
+    """The kernel rows and the attention rows, on each thread count."""
     saved = torch.get_num_threads()
-    rows = []
+    result: dict[str, list[dict]] = {"rows": [], "attention": []}
     try:
         for n in threads:
             torch.set_num_threads(n)
             for dtype in (torch.float32, torch.bfloat16):
-                rows += rows_for(dtype)
+                result["rows"] += rows_for(dtype)
+            result["attention"] += attention.run("cpu")
     finally:
         torch.set_num_threads(saved)
-    return rows
+    return result
 
 
 def main(args) -> int:
     from kernels.cpu_ext import load
 
     threads = (args.threads,) if args.threads else tuple(sorted({1, torch.get_num_threads()}))
-    rows = run(threads)
-    for r in rows:
+    measured = run(threads)
+    for r in measured["rows"]:
         print(f"{r['op']:12s} {r['shape']:30s} {r['dtype']:8s} t={r['threads']} M={r['m']:5d}  "
               f"ours {r['ours_ms']:9.3f} ms  torch {r['torch_ms']:9.3f} ms  "
+              f"ratio {r['ratio']:5.2f}")
+    for r in measured["attention"]:
+        print(f"{r['op']:17s} B={r['batch']:<3d} L={r['context']:<4d} q={r['q_len']:<3d} "
+              f"t={r['threads']}  ours {r['ours_ms']:9.3f} ms  sdpa {r['sdpa_ms']:9.3f} ms  "
               f"ratio {r['ratio']:5.2f}")
     result = {"benchmark": "kernels-cpu", "date": utc_now(), "commit": git_commit(),
               "device": cpu_model(), "cpu_kernels": load().isa(),
               "versions": versions("torch"), "timer": "host perf_counter, eager calls",
-              "ratio": "torch time / ours (above 1: ours faster)", "rows": rows}
+              "ratio": "torch time / ours (above 1: ours faster)", **measured}
     print(f"wrote {save_result(result, 'kernels-cpu', args.json)}")
     return 0

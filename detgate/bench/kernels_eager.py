@@ -1,14 +1,14 @@
-"""Eager launches: the kernels as users call them (host cost included) against torch, and the
-host cost of `kernels.set_batch_invariant_mode()` on a Hugging Face model, in one run.
+"""`detgate bench kernels --eager` (CUDA): the kernels as users call them (host cost included)
+against torch, and the host cost of `kernels.set_batch_invariant_mode()` on a Hugging Face
+model, in one run.
 
-Run from the repository root on a CUDA machine (also `detgate bench kernels --eager`):
-    PYTHONPATH=. python bench/kernels_eager.py --json OUT.json [--skip-model]
+    detgate bench kernels --eager --json OUT.json [--skip-model | --model-only]
 
 - matmul: `kernels.matmul(x, W.t())` against `F.linear(x, W)` (cuBLAS) on the same bf16
   inputs, Qwen3-8B projections, M = 1..8192. "eager": CUDA events around CALLS back-to-back
   calls after WARMUP, rotating weight copies (so the host must keep up with the GPU, as in an
   eager forward); median of REPEATS. "graph": the same calls replayed from a CUDA graph
-  (kernels.bench.time_calls: launch cost out). Ratio = torch time / ours: above 1 we are
+  (`timing.graph_ms`: launch cost out). Ratio = torch time / ours: above 1 we are
   faster. Each row also says whether `kernels.matmul` is bitwise invariant over every M of
   the list.
 - rms_norm, add_rms_norm, log_softmax: the same eager timing.
@@ -19,18 +19,16 @@ Run from the repository root on a CUDA machine (also `detgate bench kernels --ea
 
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
 from collections.abc import Callable
-from importlib import import_module
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels import bench
+from detgate.bench import kernels_gpu as bench
+from detgate.bench.timing import events_ms, graph_ms
+from kernels import rmsnorm_triton
 
 WARMUP, CALLS, REPEATS = 5, 30, 5
 LAYERS, SEQ = 4, 64
@@ -39,25 +37,13 @@ MODEL_BATCHES = (1, 8, 64)
 
 def eager_us(call: Callable[[int], object], copies: int) -> float:
     """Microseconds per call: CALLS eager calls between two CUDA events, median of REPEATS."""
-    for i in range(WARMUP):
-        call(i % copies)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(REPEATS):
-        start.record()
-        for i in range(CALLS):
-            call(i % copies)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / CALLS)
-    return statistics.median(times)
+    return 1000 * events_ms(lambda i: call(i % copies), CALLS, REPEATS, warmup=WARMUP)
 
 
 def _pair(ours: Callable, ref: Callable, copies: int, out_bytes: int) -> dict:
     row = {"eager_ours_us": eager_us(ours, copies), "eager_torch_us": eager_us(ref, copies),
-           "graph_ours_us": 1000 * bench.time_calls(ours, copies, out_bytes),
-           "graph_torch_us": 1000 * bench.time_calls(ref, copies, out_bytes)}
+           "graph_ours_us": 1000 * graph_ms(ours, copies, out_bytes),
+           "graph_torch_us": 1000 * graph_ms(ref, copies, out_bytes)}
     row["eager_ratio"] = row["eager_torch_us"] / row["eager_ours_us"]
     row["graph_ratio"] = row["graph_torch_us"] / row["graph_ours_us"]
     return row
@@ -87,24 +73,23 @@ def matmul_rows(m_values=bench.M_VALUES) -> list[dict]:
 
 
 def norm_rows(m_values=(1, 8, 64, 512, 4096)) -> list[dict]:
-    rn = import_module("kernels.rmsnorm")
     rows = []
     w = torch.randn(bench.HIDDEN, device="cuda", dtype=torch.bfloat16)
     for m in m_values:
         nbytes = m * bench.HIDDEN * 2
-        xs = bench._randn_copies(m, bench.HIDDEN, torch.bfloat16, 2 * nbytes)
-        rs = bench._randn_copies(m, bench.HIDDEN, torch.bfloat16, 2 * nbytes)
+        xs = bench.randn_copies(m, bench.HIDDEN, torch.bfloat16, 2 * nbytes)
+        rs = bench.randn_copies(m, bench.HIDDEN, torch.bfloat16, 2 * nbytes)
         c = len(xs)
         rows.append({"op": "rms_norm", "m": m, **_pair(
-            lambda i, xs=xs: rn.rms_norm(xs[i], w, bench.EPS),
-            lambda i, xs=xs: F.rms_norm(xs[i], (bench.HIDDEN,), w, bench.EPS), c, nbytes)})
+            lambda i, xs=xs: rmsnorm_triton.rms_norm(xs[i], w, bench.EPS),
+            lambda i, xs=xs: bench.torch_rms_norm(xs[i], w, bench.EPS), c, nbytes)})
         rows.append({"op": "add_rms_norm", "m": m, **_pair(
-            lambda i, xs=xs, rs=rs: rn.add_rms_norm(xs[i], rs[i], w, bench.EPS),
-            lambda i, xs=xs, rs=rs: bench._torch_add_rms_norm(
+            lambda i, xs=xs, rs=rs: rmsnorm_triton.add_rms_norm(xs[i], rs[i], w, bench.EPS),
+            lambda i, xs=xs, rs=rs: bench.torch_add_rms_norm(
                 xs[i], rs[i], w, bench.EPS), c, 2 * nbytes)})
     for m in m_values[:4]:
         nbytes = m * bench.VOCAB * 4
-        xs = bench._randn_copies(m, bench.VOCAB, torch.float32, 2 * nbytes)
+        xs = bench.randn_copies(m, bench.VOCAB, torch.float32, 2 * nbytes)
         rows.append({"op": "log_softmax", "m": m, **_pair(
             lambda i, xs=xs: kernels.log_softmax(xs[i], -1),
             lambda i, xs=xs: torch.log_softmax(xs[i], -1), len(xs), nbytes)})
@@ -116,18 +101,8 @@ def norm_rows(m_values=(1, 8, 64, 512, 4096)) -> list[dict]:
 
 
 def _forward_ms(model, ids: torch.Tensor, repeats: int = 10) -> float:
-    for _ in range(3):
-        model(ids)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeats):
-        start.record()
-        model(ids)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Milliseconds of one eager forward, median of `repeats` after 3 warm-ups."""
+    return events_ms(lambda _: model(ids), 1, repeats, warmup=3)
 
 
 def _row0_identical(model, ids: torch.Tensor) -> dict[int, bool]:
@@ -173,7 +148,7 @@ def run(skip_model: bool = False, model_only: bool = False) -> dict:
     result = {**bench.environment(), "timing": {
         "eager": f"CUDA events around {CALLS} back-to-back eager calls after {WARMUP} "
                  f"warm-ups, median of {REPEATS}, rotating weight copies (host cost included)",
-        "graph": "median CUDA-graph replay of back-to-back calls (kernels.bench.time_calls)"}}
+        "graph": "median CUDA-graph replay of back-to-back calls (timing.graph_ms)"}}
     result["matmul"] = [] if model_only else matmul_rows()
     result["norms"] = [] if model_only else norm_rows()
     if not skip_model:
@@ -194,16 +169,6 @@ def main(args) -> int:
     if not torch.cuda.is_available():
         print("the eager kernel benchmark needs a CUDA device")
         return 2
-    result = run(skip_model=args.skip_model, model_only=getattr(args, "model_only", False))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.json}")
+    result = run(skip_model=args.skip_model, model_only=args.model_only)
+    bench.write_json(result, args.json)
     return 0
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--skip-model", action="store_true")
-    parser.add_argument("--model-only", action="store_true")
-    raise SystemExit(main(parser.parse_args()))

@@ -1,4 +1,5 @@
-"""Paged attention against torch SDPA, side by side in one run: `run(device) -> list[dict]`.
+"""Paged attention against torch SDPA, side by side in one run: `run(device) -> list[dict]`
+(the `attention` rows of `detgate bench kernels`, on CUDA and on the CPU).
 
 CUDA: Qwen3-8B's attention (32 q heads, 8 kv heads, head dim 128, bf16, cache block 16).
 - decode: one query per sequence over B x L cached tokens; `kv_tb_s` = bytes of K and V read
@@ -17,51 +18,28 @@ repetitions); `ratio` = SDPA time / our time.
 from __future__ import annotations
 
 import functools
-import statistics
 from collections.abc import Callable
 from importlib import import_module
 
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_bench import min_ms_pair
+from detgate.bench.timing import copy_tb_s, events_ms, min_ms_pair
+from kernels.attention_tiles import CONFIGS, FIELDS, SHIPPED, TileConfig, config_name
 
 QWEN3_8B = {"hq": 32, "hkv": 8, "d": 128}
 TINY = {"hq": 8, "hkv": 2, "d": 32}
 DECODE_SHAPES = [(1, 4096), (16, 4096), (64, 4096), (128, 4096), (32, 8192), (256, 2048),
                  (4, 65536)]
 PREFILL_SHAPES = [(1, 1024), (4, 2048), (1, 4096), (1, 8192)]
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) of the Triton kernel; the first is the shipped one.
-CONFIGS = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 128, 4, 2)]
 BLOCK_SIZE = 16
 
 
 def _cuda_ms(fn: Callable[[], object], reps: int = 5) -> float:
-    """Median over reps of the mean time of back-to-back calls, in milliseconds."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    calls = max(3, min(200, int(20.0 / max(start.elapsed_time(end), 1e-3))))
-    times = []
-    for _ in range(reps):
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
-
-
-def _copy_tb_s() -> float:
-    src = torch.empty(2**31, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = _cuda_ms(lambda: dst.copy_(src))
-    return 2 * src.numel() / (ms * 1e-3) / 1e12
+    """Milliseconds per call: median over reps of about 20 ms of back-to-back calls."""
+    once = events_ms(lambda _: fn(), 1, 1, warmup=1)
+    calls = max(3, min(200, int(20.0 / max(once, 1e-3))))
+    return events_ms(lambda _: fn(), calls, reps)
 
 
 def _paged_inputs(batch: int, seq_len: int, q_len: int, shape: dict, dtype, device: str,
@@ -93,25 +71,27 @@ def _contiguous_kv(inp: dict, batch: int, seq_len: int) -> tuple[torch.Tensor, t
     return gather(inp["k_cache"]), gather(inp["v_cache"])
 
 
-def config_name(config: tuple[int, int, int, int]) -> str:
-    return "m{}n{}w{}s{}".format(*config)
-
-
-def _with_config(at, config: tuple[int, int, int, int], fn: Callable[[], object]) -> Callable:
+def _with_config(at, config: TileConfig, fn: Callable[[], object]) -> Callable:
+    """fn, run with the kernel module's tile constants set to `config`."""
     def call():
-        saved = at.BLOCK_M, at.BLOCK_N, at.NUM_WARPS, at.NUM_STAGES
-        at.BLOCK_M, at.BLOCK_N, at.NUM_WARPS, at.NUM_STAGES = config
+        saved = [getattr(at, name) for name in FIELDS]
+        _set_tiles(at, config)
         try:
             return fn()
         finally:
-            at.BLOCK_M, at.BLOCK_N, at.NUM_WARPS, at.NUM_STAGES = saved
+            _set_tiles(at, saved)
     return call
+
+
+def _set_tiles(at, values) -> None:
+    for name, value in zip(FIELDS, values, strict=True):
+        setattr(at, name, value)
 
 
 def _cuda_rows() -> list[dict]:
     at = import_module("kernels.attention_triton")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    copy = _copy_tb_s()
+    copy = copy_tb_s()
     rows: list[dict] = [{"op": "copy_bandwidth", "tb_s": copy}]
     for batch, seq_len in DECODE_SHAPES:
         inp = _paged_inputs(batch, seq_len, 1, QWEN3_8B, torch.bfloat16, "cuda", gen)
@@ -123,7 +103,7 @@ def _cuda_rows() -> list[dict]:
         del k, v
         for config in CONFIGS:
             launches = (("auto", None), ("fused", False), ("split", True))
-            for launch, split in launches if config == CONFIGS[0] else launches[:1]:
+            for launch, split in launches if config == SHIPPED else launches[:1]:
                 call = functools.partial(at.paged_attention, **inp, split_programs=split)
                 ms = _cuda_ms(_with_config(at, config, call))
                 rows.append({"op": "attention_decode", "batch": batch, "context": seq_len,

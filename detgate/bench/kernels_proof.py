@@ -1,7 +1,7 @@
 """One GPU session for the Triton kernels: tests, tile exploration, bitwise proofs, benchmark.
 
 Run from the repository root on a CUDA machine:
-    PYTHONPATH=. python bench/gpu_kernels.py OUT_DIR [--tune] [--skip-tests]
+    python -m detgate.bench.kernels_proof OUT_DIR [--tune] [--skip-tests]
 Writes OUT_DIR/gpu_kernels.json (everything), OUT_DIR/kernels-bench.json (the `detgate bench
 kernels` result), OUT_DIR/pytest.log.
 
@@ -10,8 +10,9 @@ Phases:
 2. cross-config bits: every tile config (and the pointer path) gives the same bits on every
    projection shape at several M, so the shape-dependent choice cannot change a result;
 3. with --tune: time every candidate config on every (shape, M) and use the fastest per M
-   bucket as kernels.matmul.TUNED_16BIT for the rest of the run (printed, to be committed);
-4. the benchmark (kernels.bench.run_all);
+   bucket as kernels.matmul_triton.TUNED_16BIT for the rest of the run (printed, to be
+   committed);
+4. the benchmark (`detgate.bench.kernels_gpu.run_all`);
 5. invariance sweeps with the dispatch in force: M = 1..8192 on every projection (lm_head:
    1..1024, then every 7th M), fp16/fp32 spot sweeps, rms_norm / log_softmax rows, and the
    cuBLAS negative control;
@@ -27,14 +28,16 @@ import subprocess
 import sys
 import time
 import traceback
-from importlib import import_module
 from pathlib import Path
 
 import torch
 
-from kernels import bench
+from detgate.bench import kernels_gpu as bench
+from detgate.bench.timing import copy_tb_s, graph_ms
+from kernels import log_softmax_triton as ls
+from kernels import matmul_triton as mm
+from kernels import rmsnorm_triton as rn
 
-mm = import_module("kernels.matmul")
 RESULT: dict = {}
 # Configs whose bits differed from the reference config: never chosen by the tuning.
 BIT_DIFFERENT: set[str] = set()
@@ -62,14 +65,10 @@ def phase(name: str, fn, out: Path, deadline: float) -> None:
 
 
 def ceilings() -> dict:
-    src = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    copy_ms = bench.time_calls(lambda i: dst.copy_(src), 1, 0)
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm_ms = bench.time_calls(lambda i: torch.mm(a, b), 1, 8192 * 8192 * 2)
-    return {"copy_tb_s": 2 * 2 * 1024**3 / copy_ms / 1e9,
-            "cublas_bf16_tflops_8192": 2 * 8192**3 / mm_ms / 1e9}
+    mm_ms = graph_ms(lambda i: torch.mm(a, b), 1, 8192 * 8192 * 2)
+    return {"copy_tb_s": copy_tb_s(), "cublas_bf16_tflops_8192": 2 * 8192**3 / mm_ms / 1e9}
 
 
 def run_tests(out: Path) -> dict:
@@ -118,17 +117,17 @@ def explore() -> dict:
         for m in bench.M_VALUES:
             a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             inputs = [(a, w.t()) for w in weights]
-            row = {"torch": bench.time_calls(lambda i, inp=inputs: torch.mm(*inp[i]),
-                                             len(inputs), m * n * 2)}
+            row = {"torch": graph_ms(lambda i, inp=inputs: torch.mm(*inp[i]),
+                                     len(inputs), m * n * 2)}
             for cname, cfg in mm.CONFIGS_16BIT.items():
                 if cname in BIT_DIFFERENT or (cfg.block_m == 64 and m > 256 and
                                               (cfg.block_n <= 64 or cfg.block_k > 64)):
                     continue  # decode tiles only pay off while the weights dominate
-                row[cname] = bench.time_calls(
+                row[cname] = graph_ms(
                     lambda i, inp=inputs, cfg=cfg: mm.matmul(*inp[i], config=cfg),
                     len(inputs), m * n * 2)
             best = min((v, c) for c, v in row.items() if c != "torch")
-            default = bench.config_name(mm.pick_config(m, n, k, torch.bfloat16, info))
+            default = bench.matmul_config_name(mm.pick_config(m, n, k, torch.bfloat16, info))
             timings[f"{name} M={m}"] = row
             entries.append((m, best[1]))
             log(f"explore {name:<13} M={m:<5} torch {row['torch']:.4f} ms  best {best[1]} "
@@ -173,8 +172,6 @@ def sweeps() -> dict:
         bad = mismatches(mm.matmul, a, w.t(), ms)
         report[f"matmul o_proj {dtype}"] = {"m_tested": len(ms), "mismatched_m": bad}
         log(f"sweep o_proj {dtype}: {len(bad)} mismatched of {len(ms)}")
-    rn = import_module("kernels.rmsnorm")
-    ls = import_module("kernels.log_softmax")
     x = torch.randn(8192, bench.HIDDEN, device="cuda", dtype=torch.bfloat16)
     r = torch.randn_like(x)
     wn = torch.randn(bench.HIDDEN, device="cuda", dtype=torch.bfloat16)

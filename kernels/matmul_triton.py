@@ -8,7 +8,8 @@ may follow the problem's shape because it decides only which program computes an
 how many k16 steps one loop iteration issues (BLOCK_K), never the order of those steps: the
 per-element chain is the same for every config of a dtype. That this holds on the hardware is
 checked bitwise, every config against every other on every projection shape, and over
-M = 1..8192 with the dispatch in force (tests/kernels/test_gpu_ops.py, bench/gpu_kernels.py).
+M = 1..8192 with the dispatch in force (tests/kernels/test_gpu_ops.py,
+detgate/bench/kernels_proof.py).
 
 Two kernels with the same reduction: a persistent kernel fed by TMA tensor descriptors
 (Hopper and later, 16-byte aligned operands; A and C by plain masked loads and stores below
@@ -67,9 +68,9 @@ CONFIG_INTERPRETER = TileConfig(16, 32, 4, 1, block_k=32)
 # Row tiles from which A and C go through TMA descriptors (see `_a_desc`).
 DESC_MIN_TILES = 1
 
-# Fastest config per M bucket, measured on H200 (bench/gpu_kernels.py --tune, Qwen3-8B
-# projections, bench/results/kernels-h200-*.json): (N, K) -> ((M upper bound, config name), ...)
-# in increasing M; M above the last bound takes the last config.
+# Fastest config per M bucket, measured on H200 (`python -m detgate.bench.kernels_proof --tune`,
+# Qwen3-8B projections, bench/results/kernels-h200-*.json): (N, K) -> ((M upper bound, config
+# name), ...) in increasing M; M above the last bound takes the last config.
 TUNED_16BIT: dict[tuple[int, int], tuple[tuple[int, str], ...]] = {
     (6144, 4096): (  # qkv_proj
         (1, "m64n64k128"), (8, "m64n64k128"), (32, "m64n64k128"), (64, "m64n64k128"),

@@ -1,26 +1,30 @@
-"""`detgate bench kernels`: the batch-invariant kernels against torch, side by side in one run.
+"""`detgate bench kernels` on CUDA: the batch-invariant kernels against torch (cuBLAS, SDPA),
+side by side in one run.
 
 Shapes are Qwen3-8B's (hidden 4096, intermediate 12288, 32 q / 8 kv heads of 128, vocab
 151936), M (tokens in the batch) from 1 to 8192. Every timing is the median of CUDA-graph
-replays of many back-to-back calls (launch gaps out of the numbers, as a serving engine runs
-them), rotating over enough weight copies that the weights never sit in L2 between calls.
-`ratio` = torch time / our time: above 1 we are faster.
+replays of many back-to-back calls (`timing.graph_ms`: launch gaps out of the numbers, as a
+serving engine runs them), rotating over enough weight copies that the weights never sit in L2
+between calls. `ratio` = torch time / our time: above 1 we are faster. The attention rows come
+from `detgate.bench.attention`; without CUDA (or with `--device cpu`) the CPU benchmark,
+`detgate.bench.kernels_cpu`, runs instead.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from importlib import import_module, util
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from detgate.bench import attention
+from detgate.bench.timing import graph_ms
 from detgate.provenance import git_commit, utc_now, versions
+from kernels import log_softmax_triton, matmul_triton, rmsnorm_triton
 
 HIDDEN = 4096
 VOCAB = 151936
@@ -52,48 +56,6 @@ class Row:
     config: str = ""
 
 
-def _matmul_mod():
-    return import_module("kernels.matmul")
-
-
-def time_calls(call: Callable[[int], object], copies: int, out_bytes: int,
-               target_ms: float = 3.0, replays: int = 7) -> float:
-    """Milliseconds per call: median over replays of a CUDA graph of back-to-back calls,
-    call(i) using input copy i % copies."""
-    for i in range(copies):  # compile, autotune-free warm-up, cuBLAS handles
-        call(i)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for i in range(copies):
-        call(i)
-    end.record()
-    torch.cuda.synchronize()
-    estimate = max(start.elapsed_time(end) / copies, 1e-3)
-    # Outputs made inside the capture live in the graph's pool: bound their total size.
-    reps = max(1, min(200, math.ceil(target_ms / estimate), int(4e9 // max(out_bytes, 1))))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call(0)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for r in range(reps):
-            call(r % copies)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / reps)
-    del graph
-    return statistics.median(times)
-
-
 def copies_for(nbytes: int) -> int:
     """Enough input copies that a round of them overflows L2 three times."""
     l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
@@ -108,54 +70,60 @@ def matmul_weights(n: int, k: int, dtype=torch.bfloat16) -> list[torch.Tensor]:
 def side_by_side(ours: Callable, ref: Callable, inputs: list[tuple], out_bytes: int
                  ) -> tuple[float, float]:
     """(our ms, torch ms) per call on the same rotating inputs, measured back to back."""
-    ours_ms = time_calls(lambda i: ours(*inputs[i]), len(inputs), out_bytes)
-    ref_ms = time_calls(lambda i: ref(*inputs[i]), len(inputs), out_bytes)
+    ours_ms = graph_ms(lambda i: ours(*inputs[i]), len(inputs), out_bytes)
+    ref_ms = graph_ms(lambda i: ref(*inputs[i]), len(inputs), out_bytes)
     return ours_ms, ref_ms
 
 
 def bench_matmul(name: str, n: int, k: int, m_values=M_VALUES) -> list[Row]:
-    mm = _matmul_mod()
     weights = matmul_weights(n, k)
-    info = mm.device_info(torch.cuda.current_device())
+    info = matmul_triton.device_info(torch.cuda.current_device())
     rows = []
     for m in m_values:
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         inputs = [(a, w.t()) for w in weights]
-        ours, ref = side_by_side(mm.matmul, torch.mm, inputs, m * n * 2)
-        cfg = mm.pick_config(m, n, k, torch.bfloat16, info)
+        ours, ref = side_by_side(matmul_triton.matmul, torch.mm, inputs, m * n * 2)
+        cfg = matmul_triton.pick_config(m, n, k, torch.bfloat16, info)
         rows.append(Row("matmul", name, m, ours, ref, ref / ours, 2.0 * m * n * k / ours / 1e9,
-                        "TFLOP/s", config_name(cfg)))
+                        "TFLOP/s", matmul_config_name(cfg)))
     return rows
 
 
-def config_name(cfg) -> str:
-    names = {v: key for key, v in _matmul_mod().CONFIGS_16BIT.items()}
+def matmul_config_name(cfg: matmul_triton.TileConfig) -> str:
+    """The name of a matmul tile config in CONFIGS_16BIT (else its repr)."""
+    names = {v: key for key, v in matmul_triton.CONFIGS_16BIT.items()}
     return names.get(cfg, str(cfg))
 
 
-def _randn_copies(m: int, width: int, dtype, nbytes: int) -> list[torch.Tensor]:
+def randn_copies(m: int, width: int, dtype, nbytes: int) -> list[torch.Tensor]:
+    """Enough random [m, width] inputs to rotate through (`copies_for` their bytes)."""
     return [torch.randn(m, width, device="cuda", dtype=dtype) for _ in range(copies_for(nbytes))]
 
 
-def _torch_add_rms_norm(x, r, w, eps):
+def torch_rms_norm(x, w, eps):
+    """The torch baseline of rms_norm."""
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+
+def torch_add_rms_norm(x, r, w, eps):
+    """The torch baseline of add_rms_norm: (rms_norm(x + r), x + r)."""
     s = x + r
-    return F.rms_norm(s, (x.shape[-1],), w, eps), s
+    return torch_rms_norm(s, w, eps), s
 
 
 def bench_rms_norm(m_values=M_VALUES) -> list[Row]:
-    rn = import_module("kernels.rmsnorm")
     w = torch.randn(HIDDEN, device="cuda", dtype=torch.bfloat16)
     shape = f"[M,{HIDDEN}] bf16"
     rows = []
     for m in m_values:
         nbytes = m * HIDDEN * 2
-        xs = _randn_copies(m, HIDDEN, torch.bfloat16, 2 * nbytes)
-        rs = _randn_copies(m, HIDDEN, torch.bfloat16, 2 * nbytes)
-        ours, ref = side_by_side(rn.rms_norm, lambda x, w, e: F.rms_norm(x, (HIDDEN,), w, e),
+        xs = randn_copies(m, HIDDEN, torch.bfloat16, 2 * nbytes)
+        rs = randn_copies(m, HIDDEN, torch.bfloat16, 2 * nbytes)
+        ours, ref = side_by_side(rmsnorm_triton.rms_norm, torch_rms_norm,
                                  [(x, w, EPS) for x in xs], nbytes)
         rows.append(Row("rms_norm", shape, m, ours, ref, ref / ours, 2 * nbytes / ours / 1e6,
                         "GB/s"))
-        ours, ref = side_by_side(rn.add_rms_norm, _torch_add_rms_norm,
+        ours, ref = side_by_side(rmsnorm_triton.add_rms_norm, torch_add_rms_norm,
                                  [(x, r, w, EPS) for x, r in zip(xs, rs, strict=False)],
                                  2 * nbytes)
         rows.append(Row("add_rms_norm", shape, m, ours, ref, ref / ours,
@@ -164,23 +132,16 @@ def bench_rms_norm(m_values=M_VALUES) -> list[Row]:
 
 
 def bench_log_softmax(m_values=M_VALUES) -> list[Row]:
-    ls = import_module("kernels.log_softmax")
     rows = []
     for m in m_values:
         nbytes = m * VOCAB * 4
-        inputs = [(x, -1) for x in _randn_copies(m, VOCAB, torch.float32, 2 * nbytes)]
-        ours, ref = side_by_side(ls.log_softmax, torch.log_softmax, inputs, nbytes)
+        inputs = [(x, -1) for x in randn_copies(m, VOCAB, torch.float32, 2 * nbytes)]
+        ours, ref = side_by_side(log_softmax_triton.log_softmax, torch.log_softmax, inputs,
+                                 nbytes)
         rows.append(Row("log_softmax", f"[M,{VOCAB}] fp32", m, ours, ref, ref / ours,
                         2 * nbytes / ours / 1e6, "GB/s"))
         del inputs
     return rows
-
-
-def bench_attention() -> list[dict]:
-    """The attention kernels' own rows, when their benchmark module is present."""
-    if util.find_spec("kernels.attention_bench") is None:
-        return []
-    return list(import_module("kernels.attention_bench").run(torch.device("cuda")))
 
 
 def matmul_goal(m: int) -> float | None:
@@ -225,20 +186,23 @@ def run_all() -> dict:
     rows += bench_rms_norm()
     rows += bench_log_softmax()
     torch.cuda.empty_cache()
-    return {**environment(), "rows": [asdict(r) for r in rows], "attention": bench_attention(),
-            "summary": summarize(rows), "_rows": rows}
+    return {**environment(), "rows": [asdict(r) for r in rows],
+            "attention": attention.run("cuda"), "summary": summarize(rows), "_rows": rows}
+
+
+def write_json(result: dict, path: str | None) -> None:
+    """Write the result to --json's path, if one was given."""
+    if path:
+        Path(path).write_text(json.dumps(result, indent=1))
+        print(f"wrote {path}")
 
 
 def main(args) -> int:
-    if getattr(args, "device", None) == "cpu" or not torch.cuda.is_available():
-        return import_module("kernels.cpu_bench").main(args)
     result = run_all()
     rows = result.pop("_rows")
     print_rows(rows)
     for row in result["attention"]:
         print(row)
     print("goal misses:", *result["summary"]["goal_misses"] or ["none"], sep="\n  ")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.json}")
+    write_json(result, args.json)
     return 0
