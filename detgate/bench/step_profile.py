@@ -4,8 +4,8 @@ the eager step's kernels summed by kind (matmul, attention, norm, other) under t
 
     PYTHONPATH=. python -m detgate.bench.step_profile --out OUT_DIR [--model qwen3-8b-shape]
 
-Step shapes (the cost workload's): decode = 256 sequences of 256 tokens; mixed = 256 decodes
-(context 200) + 6 prompts of 128 tokens prefilled at once (1024 tokens). K/V are written into
+Step shapes (the cost workload's): decode = 256 sequences of 256 tokens; mixed = 250 decodes
+(context 200) + 6 prompts of 128 tokens prefilled at once (1018 tokens). K/V are written into
 the padding block only; keys are read from blocks of their own. Writes OUT_DIR/step-profile.json.
 """
 
@@ -77,7 +77,7 @@ def profile_mode(mode: str, model: str, out: Path) -> dict:
                                  kv_cache_mb=16 * 1024), loaded.model, loaded.config)
     runner = engine.runner
     info = {}
-    for name, shape in (("decode_256", (256, 256, 0, 0)), ("mixed_1024", (256, 200, 6, 128))):
+    for name, shape in (("decode_256", (256, 256, 0, 0)), ("mixed_1018", (250, 200, 6, 128))):
         info[name] = measure(runner, *step_inputs(runner, *shape))
         row = info[name]
         print(mode, name, {k: v for k, v in row.items() if k != "top_kernels"}, flush=True)
