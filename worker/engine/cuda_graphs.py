@@ -175,9 +175,10 @@ class DecodeGraphs:
 def token_buckets(max_tokens: int, step: int = 128) -> list[int]:
     """Scheduled-token counts that mixed-step graphs are captured for: 16, 32, 64, then every
     multiple of `step`, up to max_tokens (always included). A step of t tokens runs in the
-    smallest bucket >= t, so it carries fewer than `step` padding tokens. Above 256 rows the
-    matmul's tiles are 128 rows high (kernels/matmul.py pick_config), so padding up to the next
-    multiple of 128 adds no tile the eager step would not run."""
+    smallest bucket >= t, so it carries fewer than `step` padding tokens. The matmul's tiles
+    are 64 or 128 rows high and its tile choice changes at powers of two of M
+    (kernels/matmul_triton.py pick_config), which a multiple of 128 never crosses from t: so
+    padding costs at most one more row of tiles, none where the tiles are 128 rows high."""
     sizes = [t for t in (16, 32, 64, 128) if t < min(step, max_tokens)]
     sizes += list(range(step, max_tokens, step))
     return sorted({*sizes, max_tokens})
@@ -208,9 +209,10 @@ class MixedGraphs:
     Why the real rows' bits do not change (batch_invariant mode): every reducing op there is
     row-invariant. The matmul's result for a row depends only on that row and the weights: its
     tile choice may follow M (here the bucket T instead of t), but the reduction over K is one
-    fixed order per output element whatever the tile (kernels/matmul.py); RMSNorm is one
-    program per row (kernels/rmsnorm.py); log_softmax runs eagerly on the real rows only; the
-    pointwise ops (rotary, silu, residual adds, embedding gathers) touch one element at a time.
+    fixed order per output element whatever the tile (kernels/matmul_triton.py); RMSNorm is
+    one program per row (kernels/rmsnorm_triton.py); log_softmax runs eagerly on the real rows
+    only; the pointwise ops (rotary, silu, residual adds, embedding gathers) touch one element
+    at a time.
     Paged attention reduces a query over its own sequence's keys in one order set by its
     position alone, whatever the other queries and sequences of the call, and whichever of its
     two launch shapes runs (kernels/attention_triton.py); the padding and empty sequences
