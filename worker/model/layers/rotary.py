@@ -4,6 +4,7 @@ row whatever the batch, the chunking or the device that computed the table."""
 from __future__ import annotations
 
 import math
+from importlib import import_module
 
 import torch
 from torch import nn
@@ -54,6 +55,10 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D]
+        if q.is_cuda:  # the same arithmetic, bit for bit, in one launch instead of ~16
+            fused = import_module("kernels.rotary_triton")
+            if fused.supported(q, k, self.cos):
+                return fused.rotary(positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
