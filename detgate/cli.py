@@ -35,7 +35,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks, measured side by side in one run")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="TARGET")
     bench_cli.register_bench(bench_sub)
-    gateway_cli.register_bench(bench_sub)
     kernels_cli.register_bench(bench_sub)
     return parser
 

@@ -1,3 +1,3 @@
-"""The engine and model benchmarks behind `detgate bench engine|model`, the in-process engine
+"""The benchmarks behind `detgate bench engine|model|gateway`, the in-process engine
 experiment (`python -m detgate.bench.engine_gpu`) and its GPU self-check. Results go to
-bench/results/; `detgate bench gateway|kernels` live with their packages."""
+bench/results/; `detgate bench kernels` lives with its package."""

@@ -1,4 +1,5 @@
-"""`detgate bench engine` and `detgate bench model` (argument parsing only)."""
+"""`detgate bench engine`, `detgate bench model` and `detgate bench gateway` (argument
+parsing only)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from worker.cli import add_engine_args
 def register_bench(bench_sub) -> None:
     _register_engine(bench_sub)
     _register_model(bench_sub)
+    _register_gateway(bench_sub)
 
 
 def _register_engine(bench_sub) -> None:
@@ -27,4 +29,11 @@ def _register_model(bench_sub) -> None:
                                            "TTFT and tokens/s, default vs batch_invariant")
     __import__("detgate.bench.model", fromlist=["register_args"]).register_args(p)
     p.set_defaults(func=lambda args: __import__("detgate.bench.model",
+                                                fromlist=["main"]).main(args))
+
+
+def _register_gateway(bench_sub) -> None:
+    p = bench_sub.add_parser("gateway", help="gateway overhead vs a bare passthrough and direct")
+    p.add_argument("--json", default=None, help="write the result JSON here")
+    p.set_defaults(func=lambda args: __import__("detgate.bench.gateway",
                                                 fromlist=["main"]).main(args))
