@@ -7,8 +7,9 @@ import logging
 import secrets
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Annotated
 
-from fastapi import Request
+from fastapi import Depends, Request
 
 from gateway.auth import Authenticator
 from gateway.config import Settings
@@ -111,6 +112,15 @@ class Services:
 
 def services(request: Request) -> Services:
     return request.app.state.services
+
+
+async def resolve_tenant(request: Request) -> str:
+    """The caller's tenant, from its API key (401 without a valid one). FastAPI routes take it
+    as a `Tenant` parameter; the plain Starlette routes of the hot path await it."""
+    return services(request).auth.tenant(request.headers.get("authorization"))
+
+
+Tenant = Annotated[str, Depends(resolve_tenant)]
 
 
 def new_record_id(endpoint: str) -> str:

@@ -35,7 +35,7 @@ from gateway.forward import Opened
 from gateway.interrupts import EJECTED, SHUTDOWN
 from gateway.protocol import ParsedRequest
 from gateway.recorder import now
-from gateway.services import Services, new_record_id, read_body, services
+from gateway.services import Services, new_record_id, read_body, resolve_tenant, services
 from gateway.upstream import TimedOut, Unreachable
 
 RECORD_HEADER = "X-Detgate-Record-Id"
@@ -57,7 +57,7 @@ routes = [Route(protocol.COMPLETIONS, completions, methods=["POST"]),
 
 async def _handle(request: Request, endpoint: str) -> Response:
     svc = services(request)
-    tenant = svc.auth.tenant(request.headers.get("authorization"))
+    tenant = await resolve_tenant(request)
     raw = await read_body(request, svc.settings.max_body_bytes, svc.settings.body_timeout_s)
     parsed = protocol.parse(endpoint, raw, svc.settings)
     if svc.drain.draining:

@@ -21,12 +21,12 @@ from starlette.routing import Route
 
 from gateway import protocol
 from gateway.errors import Conflict, UpstreamFailed
-from gateway.services import read_body, services
+from gateway.services import read_body, resolve_tenant, services
 
 
 async def score(request: Request) -> Response:
     svc = services(request)
-    tenant = svc.auth.tenant(request.headers.get("authorization"))
+    tenant = await resolve_tenant(request)
     raw = await read_body(request, svc.settings.max_body_bytes, svc.settings.body_timeout_s)
     parsed = protocol.parse_score(raw, svc.settings)
     await svc.admit(tenant, stores=False)
