@@ -20,6 +20,7 @@ from gateway.errors import Conflict, GatewayError, NotFound, UpstreamFailed
 from gateway.recorder import now
 from gateway.router import Worker
 from gateway.services import Services
+from gateway.upstream import Answer
 
 _FILLER = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "while",
            "a", "determinism", "gateway", "records", "every", "token", "it", "sees"]
@@ -51,7 +52,8 @@ async def replay(svc: Services, tenant: str, record_id: str, load: int) -> dict:
                        f"({record['summary']['reason']}): it cannot be replayed",
                        code="record_summarised")
     try:
-        worker = svc.router.choose(record["model"], fingerprint=record["system_fingerprint"])
+        worker = svc.forwarder.choose(record["model"],
+                                       fingerprint=record["system_fingerprint"])
         comparison = await _run(svc, record, worker, load)
     except GatewayError:
         svc.metrics.replays.labels("error").inc()
@@ -66,21 +68,22 @@ async def _run(svc: Services, record: dict, worker: Worker, load: int) -> dict:
     endpoint = record["endpoint"]
     deadline = time.monotonic() + svc.settings.total_timeout_s
 
-    def send(body: dict) -> asyncio.Task:
-        return asyncio.create_task(svc.forwarder.send(
-            record["model"], endpoint, orjson.dumps(body), deadline=deadline, pinned=worker))
+    async def send(body: dict) -> Answer:
+        async with svc.forwarder.lease(record["model"], deadline=deadline,
+                                       pinned=worker) as lease:
+            return await lease.send(endpoint, orjson.dumps(body))
 
-    background = [send(load_body(record, i)) for i in range(load)]
+    background = [asyncio.create_task(send(load_body(record, i))) for i in range(load)]
     if background:
         await asyncio.sleep(0)  # let the load reach the worker first
-    target = send(protocol.replay_body(record["request"]))
+    target = asyncio.create_task(send(protocol.replay_body(record["request"])))
     results = await asyncio.gather(target, *background, return_exceptions=True)
-    sent = results[0]
-    if isinstance(sent, BaseException):
-        if isinstance(sent, GatewayError):
-            raise sent
-        raise UpstreamFailed(f"replay failed: {sent}")
-    answer = orjson.loads(sent.answer.body)
+    reply = results[0]
+    if isinstance(reply, BaseException):
+        if isinstance(reply, GatewayError):
+            raise reply
+        raise UpstreamFailed(f"replay failed: {reply}")
+    answer = orjson.loads(reply.body)
     is_chat = endpoint == protocol.CHAT
     choices = responses.record_choices(is_chat, answer)
     cmp = compare_choices(Record.from_dict(record).choices,

@@ -31,7 +31,7 @@ from gateway.errors import (
     UpstreamRejected,
     UpstreamTimeout,
 )
-from gateway.forward import Opened
+from gateway.forward import Lease
 from gateway.interrupts import EJECTED, SHUTDOWN
 from gateway.protocol import ParsedRequest
 from gateway.recorder import now
@@ -90,22 +90,18 @@ def _record(parsed: ParsedRequest, record_id: str, worker: str | None, fingerpri
 
 async def _whole(svc: Services, request: Request, tenant: str, parsed: ParsedRequest,
                  record_id: str, deadline: float) -> Response:
-    async with _forwarding(svc, tenant, parsed, record_id):
-        sent = await svc.forwarder.send(parsed.model, parsed.endpoint,
-                                        orjson.dumps(parsed.body), deadline=deadline)
-    request.state.upstream_s = sent.upstream_s
-    try:
-        answer = orjson.loads(sent.answer.body)
-    except orjson.JSONDecodeError:
-        exc = UpstreamFailed("the worker's answer is not JSON")
-        await _record_failure(svc, tenant, parsed, record_id, exc)
-        raise exc from None
-    own = answer.get("system_fingerprint")
-    svc.router.learn(sent.worker, own)
-    fingerprint = own or sent.worker.fingerprint
+    async with _forwarding(svc, tenant, parsed, record_id), \
+            svc.forwarder.lease(parsed.model, deadline=deadline) as lease:
+        reply = await lease.send(parsed.endpoint, orjson.dumps(parsed.body))
+        request.state.upstream_s = lease.upstream_s
+        try:
+            answer = orjson.loads(reply.body)
+        except orjson.JSONDecodeError:
+            raise UpstreamFailed("the worker's answer is not JSON") from None
+    fingerprint = lease.learn(answer.get("system_fingerprint"))
     svc.charge_tokens(tenant, answer.get("usage"))
     await svc.save(tenant, _record(
-        parsed, record_id, sent.worker.name, fingerprint, "complete",
+        parsed, record_id, lease.worker.name, fingerprint, "complete",
         choices=responses.record_choices(parsed.is_chat, answer), usage=answer.get("usage"),
         **responses.prompt_extras(answer)))
     body = responses.shape_answer(parsed.is_chat, answer, parsed.ask, record_id, fingerprint)
@@ -142,11 +138,11 @@ async def _record_failure(svc: Services, tenant: str, parsed: ParsedRequest, rec
 
 async def _stream(svc: Services, request: Request, tenant: str, parsed: ParsedRequest,
                   record_id: str, deadline: float) -> Response:
+    lease = svc.forwarder.lease(parsed.model, deadline=deadline)
     async with _forwarding(svc, tenant, parsed, record_id):
-        opened = await svc.forwarder.open_stream(parsed.model, parsed.endpoint,
-                                                 orjson.dumps(parsed.body), deadline=deadline)
-    return StreamingResponse(
-        _relay(svc, request, tenant, parsed, record_id, deadline, opened),
+        await lease.open_stream(parsed.endpoint, orjson.dumps(parsed.body))
+    return StreamingResponse(  # the relay owns the open lease from here
+        _relay(svc, request, tenant, parsed, record_id, deadline, lease),
         media_type="text/event-stream",
         headers={RECORD_HEADER: record_id, "Cache-Control": "no-cache"})
 
@@ -156,8 +152,8 @@ def _sse(obj: dict) -> bytes:
 
 
 async def _relay(svc: Services, request: Request, tenant: str, parsed: ParsedRequest,
-                 record_id: str, deadline: float, opened: Opened) -> AsyncIterator[bytes]:
-    worker = opened.worker
+                 record_id: str, deadline: float, lease: Lease) -> AsyncIterator[bytes]:
+    worker = lease.worker
     acc = responses.StreamAccumulator(parsed.is_chat)
     error: GatewayError | None = None
     status = "failed"
@@ -169,33 +165,29 @@ async def _relay(svc: Services, request: Request, tenant: str, parsed: ParsedReq
                        choices=acc.record_choices(), usage=acc.usage, **acc.extras, **extra)
 
     ended = True
-    task = asyncio.current_task()
-    worker.attempts.add(task)  # an ejection interrupts the relay (EJECTED)
     try:
-        with svc.drain.track():
-            async for data in opened.stream.events():
-                if data == b"[DONE]":
-                    status = "complete"
-                    break
-                chunk = orjson.loads(data)
-                message = responses.stream_error(chunk)
-                if message is not None:
-                    error = UpstreamFailed(message)
-                    break
-                acc.add(chunk)
-                fingerprint = acc.fingerprint or worker.fingerprint
-                out = responses.shape_chunk(parsed.is_chat, chunk, parsed.ask, record_id,
-                                            fingerprint)
-                if out is not None:
-                    yield _sse(out)
-                if time.monotonic() > deadline:
-                    error = UpstreamTimeout("the request ran out of its total time")
-                    break
-            else:
-                error = UpstreamFailed("the worker ended the stream without [DONE]")
+        async with lease:  # an ejection of the worker interrupts the relay (EJECTED)
+            with svc.drain.track():
+                async for chunk in lease.events():
+                    message = responses.stream_error(chunk)
+                    if message is not None:
+                        error = UpstreamFailed(message)
+                        break
+                    acc.add(chunk)
+                    fingerprint = acc.fingerprint or worker.fingerprint
+                    out = responses.shape_chunk(parsed.is_chat, chunk, parsed.ask, record_id,
+                                                fingerprint)
+                    if out is not None:
+                        yield _sse(out)
+                    if time.monotonic() > deadline:
+                        error = UpstreamTimeout("the request ran out of its total time")
+                        break
+                else:
+                    if lease.complete:
+                        status = "complete"
+                    else:
+                        error = UpstreamFailed("the worker ended the stream without [DONE]")
     except (Unreachable, TimedOut, orjson.JSONDecodeError) as exc:
-        worker.attempts.discard(task)
-        svc.router.eject(worker, str(exc))
         error = UpstreamFailed(f"the worker failed mid-stream ({_what(exc)})")
     except asyncio.CancelledError:
         if svc.interrupts.take(EJECTED):
@@ -215,13 +207,8 @@ async def _relay(svc: Services, request: Request, tenant: str, parsed: ParsedReq
         svc.spawn(svc.save_quietly(tenant, record()))
         raise
     finally:
-        worker.attempts.discard(task)
-        opened.stream.close()
-        svc.router.release(worker)
-        elapsed = time.perf_counter() - opened.started
-        request.state.upstream_s = elapsed
-        svc.metrics.observe_upstream(worker.name, elapsed)
-    svc.router.learn(worker, acc.fingerprint)
+        request.state.upstream_s = lease.upstream_s
+    lease.learn(acc.fingerprint)
     svc.charge_tokens(tenant, acc.usage)
     try:
         await svc.save(tenant, record())
