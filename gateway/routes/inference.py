@@ -80,12 +80,11 @@ async def _handle(request: Request, endpoint: str) -> Response:
 
 
 def _record(parsed: ParsedRequest, record_id: str, worker: str | None, fingerprint: str | None,
-            status: str, choices: list[dict], usage: dict | None, **extras) -> dict:
-    """The stored record; `extras`: `error` and the worker's prompt token ids and logprobs."""
+            status: str, choices: list[RecordChoice], usage: dict | None, **extras) -> Record:
+    """The record to store; `extras`: `error` and the worker's prompt token ids and logprobs."""
     return Record(id=record_id, created=now(), endpoint=parsed.endpoint, model=parsed.model,
                   request=parsed.body, worker=worker, system_fingerprint=fingerprint,
-                  status=status, choices=[RecordChoice.from_dict(c) for c in choices],
-                  usage=usage, **extras).as_dict()
+                  status=status, choices=choices, usage=usage, **extras)
 
 
 async def _whole(svc: Services, request: Request, tenant: str, parsed: ParsedRequest,
@@ -158,7 +157,7 @@ async def _relay(svc: Services, request: Request, tenant: str, parsed: ParsedReq
     error: GatewayError | None = None
     status = "failed"
 
-    def record() -> dict:
+    def record() -> Record:
         fingerprint = acc.fingerprint or worker.fingerprint
         extra = {"error": error.message} if error is not None else {}
         return _record(parsed, record_id, worker.name, fingerprint, status,
