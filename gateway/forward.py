@@ -73,8 +73,10 @@ class Lease:
     """One request's hold on a worker, from the choice to the release.
 
     `send` gets a whole answer: the worker is held only while it answers. `open_stream`
-    opens a stream, which then holds its worker until the lease ends; `events()` reads it.
-    `worker` is the worker that answered; `upstream_s` the time spent waiting on workers."""
+    opens a stream (a failed one leaves nothing held) while the client can still be given an
+    error status; the stream then holds its worker until the `async with lease` of the task
+    that relays it with `events()` ends. `worker` is the worker that answered; `upstream_s`
+    the time spent waiting on workers."""
 
     def __init__(self, forwarder: Forwarder, model: str, deadline: float, *,
                  pinned: Worker | None, fingerprint: str | None, builtin: bool) -> None:
@@ -100,10 +102,7 @@ class Lease:
         return self
 
     async def __aexit__(self, *exc_info: Any) -> None:
-        self.release()
-
-    def release(self) -> None:
-        """Let go of an open stream's worker (once: later calls do nothing)."""
+        """Let go of an open stream's worker, however the `async with` ends."""
         if self._stream is None:
             return
         stream, self._stream = self._stream, None
