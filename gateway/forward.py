@@ -23,8 +23,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from dataclasses import KW_ONLY, dataclass
+from typing import Any, TypeVar
 
 import orjson
 
@@ -44,17 +45,20 @@ from gateway.upstream import Answer, EventStream, TimedOut, Unreachable, Upstrea
 
 MAX_ATTEMPTS = 2
 
+T = TypeVar("T")
 
+
+@dataclass
 class Forwarder:
-    def __init__(self, router: Router, upstream: Upstream, metrics: Metrics,
-                 interrupts: Interrupts, *, attempt_timeout_s: float,
-                 first_byte_timeout_s: float) -> None:
-        self.router = router
-        self.upstream = upstream
-        self.metrics = metrics
-        self.interrupts = interrupts
-        self.attempt_timeout_s = attempt_timeout_s
-        self.first_byte_timeout_s = first_byte_timeout_s
+    """What leases work with: the workers, the HTTP client, metrics, interrupts, timeouts."""
+
+    router: Router
+    upstream: Upstream
+    metrics: Metrics
+    interrupts: Interrupts
+    _: KW_ONLY
+    attempt_timeout_s: float
+    first_byte_timeout_s: float
 
     def choose(self, model: str, *, fingerprint: str) -> Worker:
         """A worker for leases pinned to it (a replay and its load), see Router.choose."""
@@ -125,22 +129,9 @@ class Lease:
         any attempt raises UpstreamFailed or UpstreamTimeout."""
         for worker in self._attempts():
             budget = self._budget(self._fw.attempt_timeout_s)
-            t0 = time.perf_counter()
-            try:
-                with self._holding(worker):
-                    answer = await self._fw.upstream.post(worker.url + path, body, budget)
-            except (Unreachable, TimedOut) as exc:
-                self._failed(worker, exc)
+            answer = await self._attempt(worker, self._post(worker, path, body, budget))
+            if answer is None:
                 continue
-            except asyncio.CancelledError:
-                if not self._fw.interrupts.take(EJECTED):
-                    raise
-                self._last = UpstreamFailed("the worker stopped answering")
-                continue
-            finally:
-                dt = time.perf_counter() - t0
-                self.upstream_s += dt
-                self._fw.metrics.observe_upstream(worker.name, dt)
             if answer.status >= 500:
                 self._failed(worker, Unreachable(f"answered {answer.status}"))
                 continue
@@ -150,6 +141,16 @@ class Lease:
             return answer
         raise self._last
 
+    async def _post(self, worker: Worker, path: str, body: bytes, budget: float) -> Answer:
+        t0 = time.perf_counter()
+        try:
+            with self._holding(worker):
+                return await self._fw.upstream.post(worker.url + path, body, budget)
+        finally:
+            dt = time.perf_counter() - t0
+            self.upstream_s += dt
+            self._fw.metrics.observe_upstream(worker.name, dt)
+
     # -- a stream -----------------------------------------------------------------------------
 
     async def open_stream(self, path: str, body: bytes) -> None:
@@ -158,16 +159,10 @@ class Lease:
         for worker in self._attempts():
             budget = self._budget(self._fw.first_byte_timeout_s)
             t0 = time.perf_counter()
-            try:
-                stream, raw = await self._open_once(worker, path, body, budget, t0)
-            except (Unreachable, TimedOut) as exc:
-                self._failed(worker, exc)
+            opened = await self._attempt(worker, self._open(worker, path, body, budget, t0))
+            if opened is None:
                 continue
-            except asyncio.CancelledError:
-                if not self._fw.interrupts.take(EJECTED):
-                    raise
-                self._last = UpstreamFailed("the worker stopped answering")
-                continue
+            stream, raw = opened
             if raw is None:
                 self.worker, self._stream, self._opened_at = worker, stream, t0
                 return
@@ -177,10 +172,10 @@ class Lease:
             raise worker_error(stream.status, raw)
         raise self._last
 
-    async def _open_once(self, worker: Worker, path: str, body: bytes, budget: float,
-                         t0: float) -> tuple[EventStream, bytes | None]:
-        """One attempt: a 200 stream primed and its worker still held (raw None), or a
-        refusal's body with the worker released; on any exception nothing is held."""
+    async def _open(self, worker: Worker, path: str, body: bytes, budget: float,
+                    t0: float) -> tuple[EventStream, bytes | None]:
+        """A 200 stream primed, its worker still held (raw None); or a refusal's body, its
+        worker released. On any exception nothing is held."""
         self._fw.router.acquire(worker)
         stream: EventStream | None = None
         try:
@@ -224,6 +219,19 @@ class Lease:
         for _ in range(1 if self._pinned else MAX_ATTEMPTS):
             tried = self._pick(tried)
             yield tried
+
+    async def _attempt(self, worker: Worker, attempt: Awaitable[T]) -> T | None:
+        """What the attempt returned, or None when it failed in a way another attempt may
+        mend: the worker unreachable or timed out (it is ejected), or ejected meanwhile."""
+        try:
+            return await attempt
+        except (Unreachable, TimedOut) as exc:
+            self._failed(worker, exc)
+        except asyncio.CancelledError:
+            if not self._fw.interrupts.take(EJECTED):
+                raise
+            self._last = UpstreamFailed("the worker stopped answering")
+        return None
 
     def _pick(self, tried: Worker | None) -> Worker:
         if self._pinned is not None:

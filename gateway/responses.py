@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 
 from detgate.contract.record import RecordChoice
-from gateway.errors import UpstreamRejected
+from gateway.errors import UpstreamFailed, UpstreamRejected
 from gateway.protocol import ClientAsk
 
 _TOKEN_ID_PREFIX = "token_id:"
@@ -181,6 +181,14 @@ class StreamAccumulator:
     def record_choices(self) -> list[RecordChoice]:
         return [replace(self.choices[i], top_logprobs=_displayed(self.choices[i].top_logprobs))
                 for i in sorted(self.choices)]
+
+
+def parse_answer(raw: bytes) -> Any:
+    """A worker's whole answer, decoded; UpstreamFailed when it is not JSON."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise UpstreamFailed("the worker's answer is not JSON") from None
 
 
 def worker_error(status: int, raw: bytes) -> UpstreamRejected:

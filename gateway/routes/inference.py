@@ -30,6 +30,7 @@ from gateway.errors import (
     UpstreamFailed,
     UpstreamRejected,
     UpstreamTimeout,
+    error_body,
 )
 from gateway.forward import Lease
 from gateway.interrupts import EJECTED, SHUTDOWN
@@ -93,10 +94,7 @@ async def _whole(svc: Services, request: Request, tenant: str, parsed: ParsedReq
             svc.forwarder.lease(parsed.model, deadline=deadline) as lease:
         reply = await lease.send(parsed.endpoint, orjson.dumps(parsed.body))
         request.state.upstream_s = lease.upstream_s
-        try:
-            answer = orjson.loads(reply.body)
-        except orjson.JSONDecodeError:
-            raise UpstreamFailed("the worker's answer is not JSON") from None
+        answer = responses.parse_answer(reply.body)
     fingerprint = lease.learn(answer.get("system_fingerprint"))
     svc.charge_tokens(tenant, answer.get("usage"))
     await svc.save(tenant, _record(
@@ -232,5 +230,4 @@ def _what(exc: Exception) -> str:
 
 
 def _error_event(error: GatewayError) -> bytes:
-    return _sse({"error": {"message": error.message, "type": error.type, "param": None,
-                           "code": error.code}})
+    return b"data: " + error_body(error.message, error.type, None, error.code) + b"\n\n"

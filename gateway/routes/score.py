@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway import protocol
+from gateway import protocol, responses
 from gateway.errors import Conflict, UpstreamFailed
 from gateway.services import read_body, resolve_tenant, services
 
@@ -35,10 +35,7 @@ async def score(request: Request) -> Response:
                                    fingerprint=parsed.fingerprint, builtin=True) as lease:
         reply = await lease.send(protocol.SCORE, orjson.dumps(parsed.body))
     request.state.upstream_s = lease.upstream_s
-    try:
-        answer = orjson.loads(reply.body)
-    except orjson.JSONDecodeError:
-        raise UpstreamFailed("the worker's answer is not JSON") from None
+    answer = responses.parse_answer(reply.body)
     if not isinstance(answer, dict) or not isinstance(answer.get("logprobs"), list):
         raise UpstreamFailed("the worker's score answer has no 'logprobs' list")
     fingerprint = lease.learn(answer.get("system_fingerprint"))
