@@ -10,12 +10,13 @@ interrupts them at once (gateway/interrupts.py): they are retried like any other
 instead of waiting out their timeout. A stream counts as answered only from its first event
 (`first_byte_timeout_s`), so until then it is retried too.
 
-The lease (`async with forwarder.lease(model, deadline=...) as lease`) is the one owner of a
-request's hold on a worker: it chooses the worker, counts the request in the worker's
-`inflight` while the worker works on it, lets an ejection interrupt the task waiting on it,
-ejects a worker that fails, and releases on every way out of the `async with` (an answer, an
-error, the client leaving, a shutdown abort). Routes read `lease.worker` and report the
-fingerprint an answer carried with `lease.learn`; they never change the router's state.
+The lease (`async with forwarder.lease(model, deadline=...) as lease`; a stream's is opened
+first and entered by the task that relays it, see Lease) is the one owner of a request's hold
+on a worker: it chooses the worker, counts the request in the worker's `inflight` while the
+worker works on it, lets an ejection interrupt the task waiting on it, ejects a worker that
+fails, and releases on every way out of the `async with` (an answer, an error, the client
+leaving, a shutdown abort). Routes read `lease.worker` and report the fingerprint an answer
+carried with `lease.learn`; they never touch the router themselves.
 """
 
 from __future__ import annotations
