@@ -125,18 +125,20 @@ def vllm_worker_module() -> Iterator[VllmFixtureWorker]:
 
 @pytest.fixture(scope="module")
 def start_workers_module(tiny_model, tmp_path_factory) -> Iterator:
-    """`start(modes)` -> built-in worker processes serving the demo model, one per mode, all
-    stopped when the module's tests are done."""
-    started: list[Proc] = []
+    """`start(modes)` -> built-in worker processes serving the demo model, one per mode. When
+    the module's tests are done, every process in the returned lists is stopped: a test that
+    restarts a worker puts the new process in its place."""
+    started: list[list[Proc]] = []
 
     def start(modes: list[str]) -> list[Proc]:
         procs = _start_workers(tiny_model, tmp_path_factory.mktemp("workers"), modes)
-        started.extend(procs)
+        started.append(procs)
         return procs
 
     yield start
-    for proc in started:
-        proc.stop()
+    for procs in started:
+        for proc in procs:
+            proc.stop()
 
 
 def _start_workers(model_dir: Path, log_dir: Path, modes: list[str]) -> list[Proc]:
