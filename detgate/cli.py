@@ -1,8 +1,8 @@
 """The `detgate` command: one sub-command per component, each defined by its owner.
 
-Every owner module exposes `register(subparsers)` (and `register_bench(bench_subparsers)`
-for `detgate bench X`); each sub-command sets `func`. Owner modules import nothing heavy
-at import time, so `detgate gateway` never loads torch.
+Every owner module exposes `register(subparsers)`; `detgate bench X` is registered by
+detgate/bench/cli.py. Each sub-command sets `func`. Owner modules import nothing heavy at
+import time, so `detgate gateway` never loads torch.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks, measured side by side in one run")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="TARGET")
     bench_cli.register_bench(bench_sub)
-    gateway_cli.register_bench(bench_sub)
     return parser
 
 

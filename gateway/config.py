@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import os
 import re
 from pathlib import Path
 from typing import Annotated
@@ -12,6 +11,7 @@ from typing import Annotated
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from detgate import paths
 from gateway.limits import TenantLimits
 
 _TENANT = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # as in DETGATE_API_KEYS
@@ -63,8 +63,7 @@ class Settings(BaseSettings):
 
     # Durability: while Redis is unreachable, records are appended (fsynced) to a spool file
     # under `spool_dir` and drained into Redis, in order, when it answers again. 0 disables it.
-    state_dir: Path = Field(default_factory=lambda: Path(
-        os.environ.get("DETGATE_STATE_DIR", Path.home() / ".cache" / "detgate")))
+    state_dir: Path = Field(default_factory=paths.state_dir)
     spool_dir: Path | None = None  # default: state_dir/spool
     spool_max_bytes: int = Field(64 << 20, ge=0)
 

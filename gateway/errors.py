@@ -9,6 +9,7 @@ always a 4xx: validation errors answer 400, not FastAPI's 422.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
@@ -20,9 +21,20 @@ log = logging.getLogger("detgate.gateway")
 
 
 class GatewayError(Exception):
+    """A failure the client sees. Each kind of error names its `status`, and the error
+    shape's `type` and default `code`, in its class statement:
+    `class NotFound(GatewayError, status=404, type="not_found_error", code="not_found")`."""
+
     status = 500
     type = "server_error"
     code: str | None = None
+
+    def __init_subclass__(cls, *, status: int | None = None, type: str | None = None,
+                          code: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name, value in (("status", status), ("type", type), ("code", code)):
+            if value is not None:
+                setattr(cls, name, value)
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None) -> None:
@@ -34,55 +46,43 @@ class GatewayError(Exception):
         self.headers = headers or {}
 
 
-class BadRequest(GatewayError):
-    status = 400
-    type = "invalid_request_error"
+class BadRequest(GatewayError, status=400, type="invalid_request_error"):
+    """Input the gateway does not accept (FastAPI's validation errors included)."""
 
 
-class Unauthorized(GatewayError):
-    status = 401
-    type = "authentication_error"
-    code = "invalid_api_key"
+class Unauthorized(GatewayError, status=401, type="authentication_error",
+                   code="invalid_api_key"):
+    """No API key, or one that no tenant has."""
 
 
-class NotFound(GatewayError):
-    status = 404
-    type = "not_found_error"
-    code = "not_found"
+class NotFound(GatewayError, status=404, type="not_found_error", code="not_found"):
+    """No such record or model."""
 
 
-class Conflict(GatewayError):
-    status = 409
-    type = "conflict_error"
-    code = "no_matching_worker"
+class Conflict(GatewayError, status=409, type="conflict_error", code="no_matching_worker"):
+    """The request is valid but cannot be served as asked: no worker with the fingerprint
+    asked for, a record that cannot be replayed."""
 
 
-class RequestTimeout(GatewayError):
-    status = 408
-    type = "invalid_request_error"
-    code = "request_timeout"
+class RequestTimeout(GatewayError, status=408, type="invalid_request_error",
+                     code="request_timeout"):
+    """The request's body did not arrive in time."""
 
 
-class PayloadTooLarge(GatewayError):
-    status = 413
-    type = "invalid_request_error"
-    code = "request_too_large"
+class PayloadTooLarge(GatewayError, status=413, type="invalid_request_error",
+                      code="request_too_large"):
+    """The request's body is over the limit."""
 
 
-class RateLimited(GatewayError):
+class RateLimited(GatewayError, status=429, type="rate_limit_error"):
     """Over one of the tenant's limits; `code` names which (gateway/limits.py)."""
-
-    status = 429
-    type = "rate_limit_error"
 
     def __init__(self, message: str, *, code: str, retry_after_s: int) -> None:
         super().__init__(message, code=code, headers={"Retry-After": str(retry_after_s)})
 
 
-class UpstreamRejected(GatewayError):
+class UpstreamRejected(GatewayError, type="invalid_request_error"):
     """A worker answered 4xx: its message and status reach the client unchanged."""
-
-    type = "invalid_request_error"
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
                  code: str | None = None) -> None:
@@ -90,38 +90,28 @@ class UpstreamRejected(GatewayError):
         self.status = status
 
 
-class UpstreamFailed(GatewayError):
-    status = 502
-    type = "upstream_error"
-    code = "upstream_failed"
+class UpstreamFailed(GatewayError, status=502, type="upstream_error", code="upstream_failed"):
+    """No usable answer from a worker (unreachable, 5xx, broken stream, not JSON)."""
 
 
-class UpstreamTimeout(GatewayError):
-    status = 504
-    type = "upstream_error"
-    code = "upstream_timeout"
+class UpstreamTimeout(GatewayError, status=504, type="upstream_error",
+                      code="upstream_timeout"):
+    """A worker did not answer in time, or the request ran out of its total time."""
 
 
-class NoWorker(GatewayError):
-    status = 503
-    type = "service_unavailable"
-    code = "no_healthy_worker"
+class NoWorker(GatewayError, status=503, type="service_unavailable",
+               code="no_healthy_worker"):
+    """No healthy worker, or none that serves the model."""
 
 
-class ShuttingDown(GatewayError):
+class ShuttingDown(GatewayError, status=503, type="service_unavailable",
+                   code="shutting_down"):
     """The gateway is stopping: a new request, or one still running when the grace ended."""
 
-    status = 503
-    type = "service_unavailable"
-    code = "shutting_down"
 
-
-class RecorderUnavailable(GatewayError):
+class RecorderUnavailable(GatewayError, status=503, type="service_unavailable",
+                          code="recorder_unavailable"):
     """Redis is unreachable: answers that cannot be recorded are not served."""
-
-    status = 503
-    type = "service_unavailable"
-    code = "recorder_unavailable"
 
 
 def error_body(message: str, type_: str, param: str | None = None,

@@ -15,16 +15,13 @@ import ipaddress
 from gateway.errors import GatewayError, error_response
 
 
-class HostNotAllowed(GatewayError):
-    status = 403
-    type = "permission_error"
-    code = "host_not_allowed"
+class HostNotAllowed(GatewayError, status=403, type="permission_error", code="host_not_allowed"):
+    """A `Host` header that is not a loopback name (DNS rebinding)."""
 
 
-class UnsupportedMediaType(GatewayError):
-    status = 415
-    type = "invalid_request_error"
-    code = "unsupported_media_type"
+class UnsupportedMediaType(GatewayError, status=415, type="invalid_request_error",
+                           code="unsupported_media_type"):
+    """A POST that is not `Content-Type: application/json` (a page's simple request)."""
 
 
 def loopback_host(host: str) -> bool:

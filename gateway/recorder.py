@@ -1,5 +1,9 @@
 """Records in Redis: one serialise/deserialise pair, a TTL on every key, atomic multi-key writes.
 
+Records come and go here in their stored JSON shape (dicts): the routes build them as
+`detgate.contract.record.Record` and `Services.save` serialises them, and what is read back
+may also be a bounded summary (gateway/summary.py), which no `Record` describes.
+
 Floats are written by orjson, which prints the shortest text that parses back to the same
 double, and read back by orjson: a logprob's bits survive the round trip unchanged.
 

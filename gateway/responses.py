@@ -9,11 +9,13 @@ and `system_fingerprint` null (the router then supplies a derived one).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import orjson
 
-from gateway.errors import UpstreamRejected
+from detgate.contract.record import RecordChoice
+from gateway.errors import UpstreamFailed, UpstreamRejected
 from gateway.protocol import ClientAsk
 
 _TOKEN_ID_PREFIX = "token_id:"
@@ -74,24 +76,20 @@ def choice_text(is_chat: bool, choice: dict) -> str:
     return choice.get("text") or ""
 
 
-def _with_display(choice: dict, tokens: list[str | None], tops: list[list[dict]]) -> dict:
-    """Token texts and, where the worker sent any, top logprobs: for people reading a record."""
-    choice["tokens"] = tokens
-    if any(tops):
-        choice["top_logprobs"] = tops
-    return choice
+def _displayed(tops: list[list[dict]]) -> list[list[dict]] | None:
+    """Top logprobs for people reading a record: only where the worker sent any."""
+    return tops if any(tops) else None
 
 
-def record_choices(is_chat: bool, answer: dict) -> list[dict]:
+def record_choices(is_chat: bool, answer: dict) -> list[RecordChoice]:
     """The record's per-choice view of a complete (non-streamed) answer."""
-    return [_with_display({
-        "index": c.get("index", i),
-        "text": choice_text(is_chat, c),
-        "finish_reason": c.get("finish_reason"),
-        "token_ids": choice_token_ids(is_chat, c),
-        "logprobs": choice_logprobs(is_chat, c),
-    }, choice_tokens(is_chat, c), choice_top_logprobs(is_chat, c))
-        for i, c in enumerate(answer.get("choices") or [])]
+    return [RecordChoice(index=c.get("index", i), text=choice_text(is_chat, c),
+                         finish_reason=c.get("finish_reason"),
+                         token_ids=choice_token_ids(is_chat, c),
+                         logprobs=choice_logprobs(is_chat, c),
+                         tokens=choice_tokens(is_chat, c),
+                         top_logprobs=_displayed(choice_top_logprobs(is_chat, c)))
+            for i, c in enumerate(answer.get("choices") or [])]
 
 
 def prompt_extras(answer: dict) -> dict[str, Any]:
@@ -151,9 +149,7 @@ class StreamAccumulator:
 
     def __init__(self, is_chat: bool) -> None:
         self.is_chat = is_chat
-        self.choices: dict[int, dict] = {}
-        self.tokens: dict[int, list[str | None]] = {}
-        self.tops: dict[int, list[list[dict]]] = {}
+        self.choices: dict[int, RecordChoice] = {}
         self.usage: dict | None = None
         self.fingerprint: str | None = None
         self.extras: dict[str, Any] = {}
@@ -169,23 +165,30 @@ class StreamAccumulator:
             self.extras = prompt_extras(chunk)
         for c in chunk.get("choices") or []:
             idx = c.get("index", 0)
-            acc = self.choices.setdefault(idx, {"index": idx, "text": "", "finish_reason": None,
-                                                "token_ids": [], "logprobs": []})
-            acc["text"] += choice_text(self.is_chat, c)
+            acc = self.choices.setdefault(idx, RecordChoice(idx, tokens=[], top_logprobs=[]))
+            acc.text += choice_text(self.is_chat, c)
             ids = choice_token_ids(self.is_chat, c)
             if ids is None:
-                acc["token_ids"] = None  # some tokens came without ids: do not fake a sequence
-            elif acc["token_ids"] is not None:
-                acc["token_ids"].extend(ids)
-            acc["logprobs"].extend(choice_logprobs(self.is_chat, c))
-            self.tokens.setdefault(idx, []).extend(choice_tokens(self.is_chat, c))
-            self.tops.setdefault(idx, []).extend(choice_top_logprobs(self.is_chat, c))
+                acc.token_ids = None  # some tokens came without ids: do not fake a sequence
+            elif acc.token_ids is not None:
+                acc.token_ids.extend(ids)
+            acc.logprobs.extend(choice_logprobs(self.is_chat, c))
+            acc.tokens.extend(choice_tokens(self.is_chat, c))
+            acc.top_logprobs.extend(choice_top_logprobs(self.is_chat, c))
             if c.get("finish_reason") is not None:
-                acc["finish_reason"] = c["finish_reason"]
+                acc.finish_reason = c["finish_reason"]
 
-    def record_choices(self) -> list[dict]:
-        return [_with_display(dict(self.choices[i]), self.tokens[i], self.tops[i])
+    def record_choices(self) -> list[RecordChoice]:
+        return [replace(self.choices[i], top_logprobs=_displayed(self.choices[i].top_logprobs))
                 for i in sorted(self.choices)]
+
+
+def parse_answer(raw: bytes) -> Any:
+    """A worker's whole answer, decoded; UpstreamFailed when it is not JSON."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise UpstreamFailed("the worker's answer is not JSON") from None
 
 
 def worker_error(status: int, raw: bytes) -> UpstreamRejected:

@@ -7,9 +7,11 @@ import logging
 import secrets
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Annotated
 
-from fastapi import Request
+from fastapi import Depends, Request
 
+from detgate.contract.record import Record
 from gateway.auth import Authenticator
 from gateway.config import Settings
 from gateway.errors import (
@@ -78,19 +80,20 @@ class Services:
         if label != UNNAMED:  # a total shared by unnamed tenants would mean nothing
             self.metrics.tenant_stored_bytes.labels(label).set(stored.total)
 
-    async def save(self, tenant: str, record: dict, *, refused: bool = False) -> None:
+    async def save(self, tenant: str, record: Record, *, refused: bool = False) -> None:
         """Durable when this returns (in Redis or the spool); RecorderUnavailable if not.
         A refused request's record, or one over the tenant's maximum size, is stored as a
         bounded summary."""
-        data = dumps(record)
+        doc = record.as_dict()
+        data = dumps(doc)
         limit = self.limits.max_record_bytes(tenant)
         if refused or len(data) > limit:
             reason = "refused" if refused else "record_too_large"
-            record = summarise(record, reason, len(data), None if refused else limit)
-            data = dumps(record)
+            doc = summarise(doc, reason, len(data), None if refused else limit)
+            data = dumps(doc)
             self.metrics.records_summarised.labels(reason).inc()
         try:
-            stored = await self.recorder.save(tenant, record, data)
+            stored = await self.recorder.save(tenant, doc, data)
         except RecorderUnavailable:
             self.metrics.records_failed.inc()
             raise
@@ -100,17 +103,26 @@ class Services:
             self.metrics.records_stored.inc()
             self._note_stored(tenant, self.limits.state(tenant).label, stored)
 
-    async def save_quietly(self, tenant: str, record: dict, *, refused: bool = False) -> None:
+    async def save_quietly(self, tenant: str, record: Record, *, refused: bool = False) -> None:
         """For answers already (partly) sent: a failed write is counted and logged."""
         try:
             await self.save(tenant, record, refused=refused)
         except RecorderUnavailable:
-            log.warning("record %s (%s) not stored: Redis unavailable", record["id"],
-                        record["status"])
+            log.warning("record %s (%s) not stored: Redis unavailable", record.id,
+                        record.status)
 
 
 def services(request: Request) -> Services:
     return request.app.state.services
+
+
+async def resolve_tenant(request: Request) -> str:
+    """The caller's tenant, from its API key (401 without a valid one). FastAPI routes take it
+    as a `Tenant` parameter; the plain Starlette routes of the hot path await it."""
+    return services(request).auth.tenant(request.headers.get("authorization"))
+
+
+Tenant = Annotated[str, Depends(resolve_tenant)]
 
 
 def new_record_id(endpoint: str) -> str:

@@ -1,5 +1,5 @@
-"""`detgate bench engine`, `detgate bench model` and `detgate bench kernels` (argument parsing
-only: each benchmark module is imported when its command runs)."""
+"""`detgate bench engine|model|kernels|gateway` (argument parsing only: each benchmark module
+is imported when its command runs)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ def register_bench(bench_sub) -> None:
     _register_engine(bench_sub)
     _register_model(bench_sub)
     _register_kernels(bench_sub)
+    _register_gateway(bench_sub)
 
 
 def _register_engine(bench_sub) -> None:
@@ -22,16 +23,14 @@ def _register_engine(bench_sub) -> None:
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
     p.add_argument("--repeats", type=int, default=4, help="runs of each mode, interleaved")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    p.set_defaults(func=lambda args: __import__("detgate.bench.engine",
-                                                fromlist=["main"]).main(args))
+    p.set_defaults(func=_runs("engine"))
 
 
 def _register_model(bench_sub) -> None:
     p = bench_sub.add_parser("model", help="a real model in worker processes: start time, memory, "
                                            "TTFT and tokens/s, default vs batch_invariant")
-    __import__("detgate.bench.model", fromlist=["register_args"]).register_args(p)
-    p.set_defaults(func=lambda args: __import__("detgate.bench.model",
-                                                fromlist=["main"]).main(args))
+    import_module("detgate.bench.model").register_args(p)
+    p.set_defaults(func=_runs("model"))
 
 
 def _register_kernels(bench_sub) -> None:
@@ -59,4 +58,15 @@ def _run_kernels(args) -> int:
         module = "kernels_cpu"
     else:
         module = "kernels_gpu"
-    return import_module(f"detgate.bench.{module}").main(args)
+    return _runs(module)(args)
+
+
+def _register_gateway(bench_sub) -> None:
+    p = bench_sub.add_parser("gateway", help="gateway overhead vs a bare passthrough and direct")
+    p.add_argument("--json", default=None, help="write the result JSON here")
+    p.set_defaults(func=_runs("gateway"))
+
+
+def _runs(module: str):
+    """The `func` of a command: detgate.bench.<module>.main, imported when the command runs."""
+    return lambda args: import_module(f"detgate.bench.{module}").main(args)

@@ -30,12 +30,13 @@ from gateway.errors import (
     UpstreamFailed,
     UpstreamRejected,
     UpstreamTimeout,
+    error_body,
 )
-from gateway.forward import Opened
+from gateway.forward import Lease
 from gateway.interrupts import EJECTED, SHUTDOWN
 from gateway.protocol import ParsedRequest
 from gateway.recorder import now
-from gateway.services import Services, new_record_id, read_body, services
+from gateway.services import Services, new_record_id, read_body, resolve_tenant, services
 from gateway.upstream import TimedOut, Unreachable
 
 RECORD_HEADER = "X-Detgate-Record-Id"
@@ -57,7 +58,7 @@ routes = [Route(protocol.COMPLETIONS, completions, methods=["POST"]),
 
 async def _handle(request: Request, endpoint: str) -> Response:
     svc = services(request)
-    tenant = svc.auth.tenant(request.headers.get("authorization"))
+    tenant = await resolve_tenant(request)
     raw = await read_body(request, svc.settings.max_body_bytes, svc.settings.body_timeout_s)
     parsed = protocol.parse(endpoint, raw, svc.settings)
     if svc.drain.draining:
@@ -80,32 +81,24 @@ async def _handle(request: Request, endpoint: str) -> Response:
 
 
 def _record(parsed: ParsedRequest, record_id: str, worker: str | None, fingerprint: str | None,
-            status: str, choices: list[dict], usage: dict | None, **extras) -> dict:
-    """The stored record; `extras`: `error` and the worker's prompt token ids and logprobs."""
+            status: str, choices: list[RecordChoice], usage: dict | None, **extras) -> Record:
+    """The record to store; `extras`: `error` and the worker's prompt token ids and logprobs."""
     return Record(id=record_id, created=now(), endpoint=parsed.endpoint, model=parsed.model,
                   request=parsed.body, worker=worker, system_fingerprint=fingerprint,
-                  status=status, choices=[RecordChoice.from_dict(c) for c in choices],
-                  usage=usage, **extras).as_dict()
+                  status=status, choices=choices, usage=usage, **extras)
 
 
 async def _whole(svc: Services, request: Request, tenant: str, parsed: ParsedRequest,
                  record_id: str, deadline: float) -> Response:
-    async with _forwarding(svc, tenant, parsed, record_id):
-        sent = await svc.forwarder.send(parsed.model, parsed.endpoint,
-                                        orjson.dumps(parsed.body), deadline=deadline)
-    request.state.upstream_s = sent.upstream_s
-    try:
-        answer = orjson.loads(sent.answer.body)
-    except orjson.JSONDecodeError:
-        exc = UpstreamFailed("the worker's answer is not JSON")
-        await _record_failure(svc, tenant, parsed, record_id, exc)
-        raise exc from None
-    own = answer.get("system_fingerprint")
-    svc.router.learn(sent.worker, own)
-    fingerprint = own or sent.worker.fingerprint
+    async with _forwarding(svc, tenant, parsed, record_id), \
+            svc.forwarder.lease(parsed.model, deadline=deadline) as lease:
+        reply = await lease.send(parsed.endpoint, orjson.dumps(parsed.body))
+        request.state.upstream_s = lease.upstream_s
+        answer = responses.parse_answer(reply.body)
+    fingerprint = lease.learn(answer.get("system_fingerprint"))
     svc.charge_tokens(tenant, answer.get("usage"))
     await svc.save(tenant, _record(
-        parsed, record_id, sent.worker.name, fingerprint, "complete",
+        parsed, record_id, lease.worker.name, fingerprint, "complete",
         choices=responses.record_choices(parsed.is_chat, answer), usage=answer.get("usage"),
         **responses.prompt_extras(answer)))
     body = responses.shape_answer(parsed.is_chat, answer, parsed.ask, record_id, fingerprint)
@@ -142,11 +135,11 @@ async def _record_failure(svc: Services, tenant: str, parsed: ParsedRequest, rec
 
 async def _stream(svc: Services, request: Request, tenant: str, parsed: ParsedRequest,
                   record_id: str, deadline: float) -> Response:
+    lease = svc.forwarder.lease(parsed.model, deadline=deadline)
     async with _forwarding(svc, tenant, parsed, record_id):
-        opened = await svc.forwarder.open_stream(parsed.model, parsed.endpoint,
-                                                 orjson.dumps(parsed.body), deadline=deadline)
-    return StreamingResponse(
-        _relay(svc, request, tenant, parsed, record_id, deadline, opened),
+        await lease.open_stream(parsed.endpoint, orjson.dumps(parsed.body))
+    return StreamingResponse(  # the relay owns the open lease from here
+        _relay(svc, request, tenant, parsed, record_id, deadline, lease),
         media_type="text/event-stream",
         headers={RECORD_HEADER: record_id, "Cache-Control": "no-cache"})
 
@@ -156,46 +149,42 @@ def _sse(obj: dict) -> bytes:
 
 
 async def _relay(svc: Services, request: Request, tenant: str, parsed: ParsedRequest,
-                 record_id: str, deadline: float, opened: Opened) -> AsyncIterator[bytes]:
-    worker = opened.worker
+                 record_id: str, deadline: float, lease: Lease) -> AsyncIterator[bytes]:
+    worker = lease.worker
     acc = responses.StreamAccumulator(parsed.is_chat)
     error: GatewayError | None = None
     status = "failed"
 
-    def record() -> dict:
+    def record() -> Record:
         fingerprint = acc.fingerprint or worker.fingerprint
         extra = {"error": error.message} if error is not None else {}
         return _record(parsed, record_id, worker.name, fingerprint, status,
                        choices=acc.record_choices(), usage=acc.usage, **acc.extras, **extra)
 
     ended = True
-    task = asyncio.current_task()
-    worker.attempts.add(task)  # an ejection interrupts the relay (EJECTED)
     try:
-        with svc.drain.track():
-            async for data in opened.stream.events():
-                if data == b"[DONE]":
-                    status = "complete"
-                    break
-                chunk = orjson.loads(data)
-                message = responses.stream_error(chunk)
-                if message is not None:
-                    error = UpstreamFailed(message)
-                    break
-                acc.add(chunk)
-                fingerprint = acc.fingerprint or worker.fingerprint
-                out = responses.shape_chunk(parsed.is_chat, chunk, parsed.ask, record_id,
-                                            fingerprint)
-                if out is not None:
-                    yield _sse(out)
-                if time.monotonic() > deadline:
-                    error = UpstreamTimeout("the request ran out of its total time")
-                    break
-            else:
-                error = UpstreamFailed("the worker ended the stream without [DONE]")
+        async with lease:  # an ejection of the worker interrupts the relay (EJECTED)
+            with svc.drain.track():
+                async for chunk in lease.events():
+                    message = responses.stream_error(chunk)
+                    if message is not None:
+                        error = UpstreamFailed(message)
+                        break
+                    acc.add(chunk)
+                    fingerprint = acc.fingerprint or worker.fingerprint
+                    out = responses.shape_chunk(parsed.is_chat, chunk, parsed.ask, record_id,
+                                                fingerprint)
+                    if out is not None:
+                        yield _sse(out)
+                    if time.monotonic() > deadline:
+                        error = UpstreamTimeout("the request ran out of its total time")
+                        break
+                else:
+                    if lease.complete:
+                        status = "complete"
+                    else:
+                        error = UpstreamFailed("the worker ended the stream without [DONE]")
     except (Unreachable, TimedOut, orjson.JSONDecodeError) as exc:
-        worker.attempts.discard(task)
-        svc.router.eject(worker, str(exc))
         error = UpstreamFailed(f"the worker failed mid-stream ({_what(exc)})")
     except asyncio.CancelledError:
         if svc.interrupts.take(EJECTED):
@@ -215,13 +204,8 @@ async def _relay(svc: Services, request: Request, tenant: str, parsed: ParsedReq
         svc.spawn(svc.save_quietly(tenant, record()))
         raise
     finally:
-        worker.attempts.discard(task)
-        opened.stream.close()
-        svc.router.release(worker)
-        elapsed = time.perf_counter() - opened.started
-        request.state.upstream_s = elapsed
-        svc.metrics.observe_upstream(worker.name, elapsed)
-    svc.router.learn(worker, acc.fingerprint)
+        request.state.upstream_s = lease.upstream_s
+    lease.learn(acc.fingerprint)
     svc.charge_tokens(tenant, acc.usage)
     try:
         await svc.save(tenant, record())
@@ -246,5 +230,4 @@ def _what(exc: Exception) -> str:
 
 
 def _error_event(error: GatewayError) -> bytes:
-    return _sse({"error": {"message": error.message, "type": error.type, "param": None,
-                           "code": error.code}})
+    return b"data: " + error_body(error.message, error.type, None, error.code) + b"\n\n"

@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import orjson
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
-from gateway.services import services
+from gateway.services import resolve_tenant, services
 
 router = APIRouter()
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", dependencies=[Depends(resolve_tenant)])
 async def models(request: Request) -> Response:
-    svc = services(request)
-    svc.auth.tenant(request.headers.get("authorization"))
     data = [{"id": m, "object": "model", "created": 0, "owned_by": "detgate"}
-            for m in svc.router.models()]
+            for m in services(request).router.models()]
     return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
 
 

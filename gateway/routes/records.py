@@ -10,7 +10,7 @@ from detgate.contract.constants import STATUSES
 from gateway import protocol
 from gateway.errors import BadRequest, NotFound
 from gateway.replay import replay
-from gateway.services import read_body, services
+from gateway.services import Tenant, read_body, services
 
 router = APIRouter()
 
@@ -20,10 +20,8 @@ def _json(obj: dict) -> Response:
 
 
 @router.get("/v1/requests/{record_id}")
-async def get_record(record_id: str, request: Request) -> Response:
-    svc = services(request)
-    tenant = svc.auth.tenant(request.headers.get("authorization"))
-    found = await svc.recorder.get(tenant, record_id)
+async def get_record(record_id: str, request: Request, tenant: Tenant) -> Response:
+    found = await services(request).recorder.get(tenant, record_id)
     if found is None:
         raise NotFound(f"no record '{record_id}'", param="id")
     return _json(found[0])
@@ -40,12 +38,10 @@ def _last_replay_result(record: dict) -> str:
 
 
 @router.get("/v1/requests")
-async def list_records(request: Request) -> Response:
+async def list_records(request: Request, tenant: Tenant) -> Response:
     """Newest first, OpenAI-style paging: `after=<last_id>` gives the next page; filters
     `status` (complete, aborted, failed) and `replay` (the last replay's result: match,
     diverged, none)."""
-    svc = services(request)
-    tenant = svc.auth.tenant(request.headers.get("authorization"))
     query = request.query_params
     raw = query.get("limit", "20")
     # ASCII digits only, and few of them: str.isdigit() accepts '²' and '١', which int()
@@ -64,7 +60,7 @@ async def list_records(request: Request) -> Response:
             return ((status is None or record["status"] == status)
                     and (result is None or _last_replay_result(record) == result))
     after = query.get("after") or None
-    page = await svc.recorder.list(tenant, int(raw), after=after, keep=keep)
+    page = await services(request).recorder.list(tenant, int(raw), after=after, keep=keep)
     if page is None:
         raise BadRequest(f"'after' names no record of yours: '{after}'", param="after")
     return _json({"object": "list", "data": page.data,
@@ -73,9 +69,8 @@ async def list_records(request: Request) -> Response:
 
 
 @router.post("/replay/{record_id}")
-async def replay_record(record_id: str, request: Request) -> Response:
+async def replay_record(record_id: str, request: Request, tenant: Tenant) -> Response:
     svc = services(request)
-    tenant = svc.auth.tenant(request.headers.get("authorization"))
     raw = await read_body(request, svc.settings.max_body_bytes, svc.settings.body_timeout_s)
     load = protocol.parse_replay(raw, svc.settings)
     return _json(await replay(svc, tenant, record_id, load))

@@ -19,31 +19,26 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway import protocol
+from gateway import protocol, responses
 from gateway.errors import Conflict, UpstreamFailed
-from gateway.services import read_body, services
+from gateway.services import read_body, resolve_tenant, services
 
 
 async def score(request: Request) -> Response:
     svc = services(request)
-    tenant = svc.auth.tenant(request.headers.get("authorization"))
+    tenant = await resolve_tenant(request)
     raw = await read_body(request, svc.settings.max_body_bytes, svc.settings.body_timeout_s)
     parsed = protocol.parse_score(raw, svc.settings)
     await svc.admit(tenant, stores=False)
     deadline = time.monotonic() + svc.settings.total_timeout_s
-    sent = await svc.forwarder.send(parsed.model, protocol.SCORE, orjson.dumps(parsed.body),
-                                    deadline=deadline, fingerprint=parsed.fingerprint,
-                                    builtin=True)
-    request.state.upstream_s = sent.upstream_s
-    try:
-        answer = orjson.loads(sent.answer.body)
-    except orjson.JSONDecodeError:
-        raise UpstreamFailed("the worker's answer is not JSON") from None
+    async with svc.forwarder.lease(parsed.model, deadline=deadline,
+                                   fingerprint=parsed.fingerprint, builtin=True) as lease:
+        reply = await lease.send(protocol.SCORE, orjson.dumps(parsed.body))
+    request.state.upstream_s = lease.upstream_s
+    answer = responses.parse_answer(reply.body)
     if not isinstance(answer, dict) or not isinstance(answer.get("logprobs"), list):
         raise UpstreamFailed("the worker's score answer has no 'logprobs' list")
-    own = answer.get("system_fingerprint")
-    svc.router.learn(sent.worker, own)
-    fingerprint = own or sent.worker.fingerprint
+    fingerprint = lease.learn(answer.get("system_fingerprint"))
     if parsed.fingerprint is not None and fingerprint != parsed.fingerprint:
         raise Conflict(f"the worker now has fingerprint {fingerprint}, not "
                        f"{parsed.fingerprint}")

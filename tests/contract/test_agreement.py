@@ -14,7 +14,6 @@ import pytest
 from detgate.audit.analysis import analyse
 from detgate.audit.client import parse_response
 from detgate.contract.compare import compare_choices
-from detgate.contract.record import RecordChoice
 from gateway import responses
 from worker.engine.offline import Completion, determinism_measures
 
@@ -31,9 +30,8 @@ def answer(ids: list[int], logprobs: list[float]) -> dict:
 
 def replay_verdict(original: dict, replay: dict) -> dict:
     # What POST /replay does: both answers as record choices, then the comparison.
-    record = [RecordChoice.from_dict(c) for c in responses.record_choices(False, original)]
-    again = [RecordChoice.from_dict(c) for c in responses.record_choices(False, replay)]
-    cmp = compare_choices(record, again)
+    cmp = compare_choices(responses.record_choices(False, original),
+                          responses.record_choices(False, replay))
     return {"match": cmp.match, "first_divergence": cmp.first_divergence,
             "max_abs_logprob_diff": cmp.max_abs_logprob_diff}
 

@@ -1,5 +1,6 @@
-"""Gateway fixtures: real gateway processes (`start_gateway`) against a real Redis, and a
-vLLM-shaped fixture worker (`vllm_worker`) that also records what reached it."""
+"""Gateway fixtures: real gateway processes (`start_gateway`) against a real Redis, built-in
+workers (`start_workers_module`), and a vLLM-shaped fixture worker (`vllm_worker`) that also
+records what reached it."""
 
 from __future__ import annotations
 
@@ -105,23 +106,42 @@ def start_gateway_module(redis_url, tmp_path_factory) -> Iterator:
     yield from _gateway_starter(redis_url, tmp_path_factory.mktemp("gateway"))
 
 
-@pytest.fixture
-def vllm_worker() -> Iterator[VllmFixtureWorker]:
+def _running_vllm_worker() -> Iterator[VllmFixtureWorker]:
     worker = VllmFixtureWorker()
     worker.start()
     yield worker
     worker.stop()
+
+
+@pytest.fixture
+def vllm_worker() -> Iterator[VllmFixtureWorker]:
+    yield from _running_vllm_worker()
 
 
 @pytest.fixture(scope="module")
 def vllm_worker_module() -> Iterator[VllmFixtureWorker]:
-    worker = VllmFixtureWorker()
-    worker.start()
-    yield worker
-    worker.stop()
+    yield from _running_vllm_worker()
 
 
-def start_workers(model_dir: Path, log_dir: Path, modes: list[str]) -> list[Proc]:
+@pytest.fixture(scope="module")
+def start_workers_module(tiny_model, tmp_path_factory) -> Iterator:
+    """`start(modes)` -> built-in worker processes serving the demo model, one per mode. When
+    the module's tests are done, every process in the returned lists is stopped: a test that
+    restarts a worker puts the new process in its place."""
+    started: list[list[Proc]] = []
+
+    def start(modes: list[str]) -> list[Proc]:
+        procs = _start_workers(tiny_model, tmp_path_factory.mktemp("workers"), modes)
+        started.append(procs)
+        return procs
+
+    yield start
+    for procs in started:
+        for proc in procs:
+            proc.stop()
+
+
+def _start_workers(model_dir: Path, log_dir: Path, modes: list[str]) -> list[Proc]:
     """Built-in worker processes, started together (each takes seconds to load torch)."""
     procs = []
     for mode in modes:

@@ -16,7 +16,6 @@ import time
 import httpx
 import pytest
 
-from tests.gateway.conftest import start_workers
 from tests.support.floats import bits
 from tests.support.procs import detgate_cmd, free_port
 
@@ -24,14 +23,9 @@ IDS = [5, 6, 7, 8, 9, 10, 11, 12]
 MAX_SCORE_TOKENS = 64
 
 
-
 @pytest.fixture(scope="module")
-def workers(tiny_model, tmp_path_factory):
-    procs = start_workers(tiny_model, tmp_path_factory.mktemp("workers"),
-                          ["batch_invariant", "default"])
-    yield procs
-    for p in procs:
-        p.stop()
+def workers(start_workers_module):
+    return start_workers_module(["batch_invariant", "default"])
 
 
 @pytest.fixture(scope="module")

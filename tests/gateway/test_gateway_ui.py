@@ -19,7 +19,6 @@ import pytest
 import redis
 
 from gateway.keys import Keys
-from tests.gateway.conftest import start_workers
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 KEYS = "team-a:key-a,team-b:key-b"
@@ -83,12 +82,8 @@ def browser():
 
 
 @pytest.fixture(scope="module")
-def workers(tiny_model, tmp_path_factory):
-    procs = start_workers(tiny_model, tmp_path_factory.mktemp("ui-workers"),
-                          ["batch_invariant", "default"])
-    yield procs
-    for p in procs:
-        p.stop()
+def workers(start_workers_module):
+    return start_workers_module(["batch_invariant", "default"])
 
 
 @pytest.fixture(scope="module")

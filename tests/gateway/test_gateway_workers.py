@@ -14,21 +14,15 @@ import httpx
 import orjson
 import pytest
 
-from tests.gateway.conftest import start_workers
 from tests.support.floats import bits
 from tests.support.procs import Proc
 
 MSG = [{"role": "user", "content": "Tell me about Richard Feynman."}]
 
 
-
 @pytest.fixture(scope="module")
-def workers(tiny_model, tmp_path_factory):
-    procs = start_workers(tiny_model, tmp_path_factory.mktemp("workers"),
-                          ["batch_invariant", "batch_invariant"])
-    yield procs
-    for p in procs:
-        p.stop()
+def workers(start_workers_module):
+    return start_workers_module(["batch_invariant", "batch_invariant"])
 
 
 @pytest.fixture(scope="module")
@@ -243,11 +237,9 @@ def test_killed_worker_is_ejected_and_returns(gw, model, workers):
 
 
 @pytest.fixture(scope="module")
-def default_gw(start_gateway_module, tiny_model, tmp_path_factory):
-    procs = start_workers(tiny_model, tmp_path_factory.mktemp("default-workers"), ["default"])
-    yield start_gateway_module([procs[0].url])
-    for p in procs:
-        p.stop()
+def default_gw(start_gateway_module, start_workers_module):
+    (worker,) = start_workers_module(["default"])
+    return start_gateway_module([worker.url])
 
 
 def test_negative_control_default_mode_replays_differ(default_gw):

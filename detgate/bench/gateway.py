@@ -1,6 +1,6 @@
 """`detgate bench gateway`: what the gateway adds, measured side by side in one run.
 
-Three targets share one canned upstream (raw asyncio, see bench_servers): the upstream
+Three targets share one canned upstream (raw asyncio, see gateway_servers): the upstream
 directly, a bare FastAPI passthrough with the same upstream client and one Redis SET, and
 the gateway with validation, routing and full recording. For each: latency p50/p99 at one
 connection, and requests/s at 16 and 32 connections. Then a check that the gateway stored
@@ -31,7 +31,7 @@ LATENCY_REQUESTS = 2000
 WARMUP = 200
 THROUGHPUT_S = 4.0
 CONCURRENCY = (16, 32)
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("fastapi", "starlette", "uvicorn", "uvloop", "httptools", "aiohttp", "redis",
             "hiredis", "orjson", "pydantic")
 
@@ -139,9 +139,9 @@ def main(args) -> int:
     py = sys.executable
     procs = []
     try:
-        procs.append(_start([py, "-m", "gateway.bench_servers", "upstream",
+        procs.append(_start([py, "-m", "detgate.bench.gateway_servers", "upstream",
                              "--port", str(ports["upstream"])], urls["upstream"] + "/health"))
-        procs.append(_start([py, "-m", "gateway.bench_servers", "passthrough",
+        procs.append(_start([py, "-m", "detgate.bench.gateway_servers", "passthrough",
                              "--port", str(ports["passthrough"]), "--upstream", urls["upstream"],
                              "--redis-url", redis_url, "--prefix", prefix],
                             urls["passthrough"] + "/health"))
