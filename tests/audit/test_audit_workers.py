@@ -20,10 +20,10 @@ from pathlib import Path
 import httpx
 import matplotlib.image
 import pytest
-import redis
 
 from detgate.audit.batch_sizes import find_histogram
 from tests.support.procs import Proc, detgate_cmd, free_port
+from tests.support.redis_keys import delete_prefix
 
 CONTRACT_FIELDS = {"n", "unique_completions", "most_common_count", "first_divergence",
                    "logprob_mse_mean", "max_abs_logprob_diff"}
@@ -135,11 +135,7 @@ def test_audit_through_the_gateway_with_an_api_key(invariant_worker, redis_url, 
                             n=16)
     finally:
         gateway.stop()
-        client = redis.Redis.from_url(redis_url)
-        keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
-        if keys:
-            client.delete(*keys)
-        client.close()
+        delete_prefix(redis_url, prefix)
     assert (doc["n"], doc["unique_completions"], doc["max_abs_logprob_diff"]) == (16, 1, 0.0)
     assert doc["details"]["fingerprints"] and doc["details"]["compared_by"] == "token_id"
     # The gateway passes /v1/score to the built-in worker: the trainer's view equals the

@@ -17,11 +17,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import redis
 import yaml
 
 from tests.deploy.conftest import PROMETHEUS_DIR, dashboard_targets, detgate_without_torch
 from tests.support.procs import Proc, free_port
+from tests.support.redis_keys import delete_prefix
 
 # What Grafana substitutes before it sends a query. The rate window spans the whole test.
 GRAFANA_VARIABLES = {"$__rate_interval": "5m", "$__range": "1h", "$__interval": "15s"}
@@ -90,13 +90,7 @@ def gateway(start_worker, redis_url, tmp_path) -> Iterator[tuple[str, str]]:
     yield proc.url, worker.url
     proc.stop()
     assert "halted" not in proc.log(), "the gateway tried to import torch or triton"
-    client = redis.Redis.from_url(redis_url)
-    try:
-        keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
-        if keys:
-            client.delete(*keys)
-    finally:
-        client.close()
+    delete_prefix(redis_url, prefix)
 
 
 @pytest.fixture

@@ -14,10 +14,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import redis
 
 from tests.gateway.vllm_worker import VllmFixtureWorker
 from tests.support.procs import Proc, detgate_cmd, free_port
+from tests.support.redis_keys import delete_prefix, keys_under
 
 
 @dataclass
@@ -35,11 +35,7 @@ class Gateway:
         return httpx.Client(base_url=self.url, headers=headers, timeout=120)
 
     def redis_keys(self) -> list[bytes]:
-        client = redis.Redis.from_url(self.redis_url)
-        try:
-            return list(client.scan_iter(match=f"{self.prefix}:*", count=1000))
-        finally:
-            client.close()
+        return keys_under(self.redis_url, self.prefix)
 
     def metric(self, name: str, **labels: str) -> float:
         """One sample of /metrics (0.0 when absent)."""
@@ -85,14 +81,7 @@ def _gateway_starter(redis_url: str, log_dir: Path) -> Iterator:
     yield start
     for gw in started:
         gw.proc.stop()
-    client = redis.Redis.from_url(redis_url)
-    try:
-        for gw in started:
-            keys = list(client.scan_iter(match=f"{gw.prefix}:*", count=1000))
-            if keys:
-                client.delete(*keys)
-    finally:
-        client.close()
+    delete_prefix(redis_url, *(gw.prefix for gw in started))
 
 
 @pytest.fixture

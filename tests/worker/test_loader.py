@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.worker.paged_forward import allocate, make_caches, step
+from tests.worker.paged_forward import BLOCK_SIZE, allocate, make_caches, step
 from worker.model.config import ModelConfigError
 from worker.model.loader import CheckpointError, load
 
@@ -64,13 +64,7 @@ def test_sharded_llama_with_rope_scaling_matches_transformers(tiny_model, tmp_pa
     lm = load(tmp_path, dtype="float32", device="cpu", mode="default")
     assert lm.config.architecture == "LlamaForCausalLM" and not lm.config.qk_norm
     assert lm.config.rope_scaling is not None and lm.config.rope_scaling.rope_type == "llama3"
-    rng = random.Random(3)
-    ids = [rng.randrange(2048) for _ in range(300)]
-    [seq] = allocate([ids])
-    step(lm.model, make_caches(lm.model, 20), [seq], [300])
-    with torch.inference_mode():
-        expected = ref(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(seq.logits[0], expected, rtol=1e-4, atol=1e-4)
+    assert_matches_reference(lm, ref, num_tokens=300, seed=3)
 
 
 def test_missing_and_unknown_tensors_are_errors(tiny_model, tmp_path):
@@ -137,10 +131,15 @@ def test_qwen2_with_biases_and_tied_embeddings_matches_transformers(tiny_model, 
 
     lm = load(tmp_path, dtype="float32", device="cpu", mode="default")
     assert lm.config.attention_bias and lm.config.tie_word_embeddings
-    rng = random.Random(4)
-    ids = [rng.randrange(2048) for _ in range(100)]
+    assert_matches_reference(lm, ref, num_tokens=100, seed=4)
+
+
+def assert_matches_reference(lm, ref, *, num_tokens: int, seed: int) -> None:
+    """Our paged forward over random tokens gives transformers' logits for the same checkpoint."""
+    rng = random.Random(seed)
+    ids = [rng.randrange(2048) for _ in range(num_tokens)]
     [seq] = allocate([ids])
-    step(lm.model, make_caches(lm.model, 8), [seq], [100])
+    step(lm.model, make_caches(lm.model, -(-num_tokens // BLOCK_SIZE) + 1), [seq], [num_tokens])
     with torch.inference_mode():
         expected = ref(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(seq.logits[0], expected, rtol=1e-4, atol=1e-4)
