@@ -9,6 +9,7 @@ the step's results come back to the host in one synchronisation.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -138,32 +139,37 @@ class ModelRunner:
     # -- inputs ----------------------------------------------------------------------------
 
     def _prepare_inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        # Plain Python ints per token, one numpy array per input: a decode step of hundreds of
-        # sequences must cost well under the GPU's step time on the host.
-        bs = self.block_size
-        ids, pos, slots, qsl, seq_lens = [], [], [], [0], []
-        max_blocks = max(len(e.seq.block_table) for e in batch.entries)
-        tables = np.full((len(batch), max_blocks), -1, dtype=np.int32)
-        for i, e in enumerate(batch.entries):
-            table = e.seq.block_table
-            tables[i, :len(table)] = table
-            ids += e.seq.token_ids[e.start:e.end]
-            positions = range(e.start, e.end)
-            pos += positions
-            slots += [table[p // bs] * bs + p % bs for p in positions]
-            qsl.append(qsl[-1] + e.num_tokens)
-            seq_lens.append(e.end)
+        # Per sequence only its start, count, table and token slice are read in Python; every
+        # per-token input is one numpy expression: a decode step of hundreds of sequences must
+        # cost well under the GPU's step time on the host.
+        bs, entries = self.block_size, batch.entries
+        b = len(entries)
+        starts = np.fromiter((e.start for e in entries), np.int64, b)
+        counts = np.fromiter((e.num_tokens for e in entries), np.int64, b)
+        ends = starts + counts
+        block_tables = [e.seq.block_table for e in entries]
+        lens = np.fromiter(map(len, block_tables), np.int64, b)
+        tables = np.full((b, int(lens.max())), -1, dtype=np.int32)
+        # Row-major boolean assignment: row i's first lens[i] slots, in the chain's order.
+        tables[np.arange(tables.shape[1]) < lens[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(block_tables), np.int32, int(lens.sum()))
+        qsl = np.zeros(b + 1, np.int64)
+        np.cumsum(counts, out=qsl[1:])
+        seq_of = np.repeat(np.arange(b), counts)  # each token's sequence
+        positions = np.arange(int(qsl[-1]), dtype=np.int64) - qsl[seq_of] + starts[seq_of]
+        slots = tables[seq_of, positions // bs].astype(np.int64) * bs + positions % bs
+        ids = np.fromiter(itertools.chain.from_iterable(
+            e.seq.token_ids[e.start:e.end] for e in entries), np.int64, int(qsl[-1]))
         put = self.inputs.put
         meta = AttentionMetadata(
-            query_start_loc=put("query_start_loc", np.array(qsl, np.int32)),
-            seq_lens=put("seq_lens", np.array(seq_lens, np.int32)),
+            query_start_loc=put("query_start_loc", qsl.astype(np.int32)),
+            seq_lens=put("seq_lens", ends.astype(np.int32)),
             block_tables=put("block_tables", tables),
-            slot_mapping=put("slot_mapping", np.array(slots, np.int64)),
-            max_query_len=max(e.num_tokens for e in batch.entries),
-            max_seq_len=max(seq_lens),
+            slot_mapping=put("slot_mapping", slots),
+            max_query_len=int(counts.max()),
+            max_seq_len=int(ends.max()),
         )
-        input_ids = put("input_ids", np.array(ids, np.int64))
-        return input_ids, put("positions", np.array(pos, np.int64)), meta
+        return put("input_ids", ids), put("positions", positions), meta
 
     def _plan_rows(self, batch: Batch) -> _Rows:
         rows = _Rows([], [], [], [], num_top=-1, with_rank=False)
