@@ -1,4 +1,6 @@
-"""Decode steps replayed from CUDA graphs, captured at a fixed set of batch sizes.
+"""Engine steps replayed from CUDA graphs: decode-only steps (DecodeGraphs, per batch size and
+context width) and steps that mix prefill chunks and decodes (MixedGraphs, per bucket of
+scheduled tokens and context width; its docstring gives its padding and invariance argument).
 
 A decode step launches hundreds of small kernels (every layer's matmuls, norms, rotary,
 attention); from Python their launch cost exceeds their run time. A graph per (batch size,
