@@ -13,13 +13,15 @@ model, in one run.
   the list.
 - rms_norm, add_rms_norm, log_softmax: the same eager timing.
 - model: transformers' Qwen3 (8B widths, LAYERS layers, bf16, random weights, 64-token
-  sequences), eager forward with and without the mode at batch 1 / 8 / 64, and whether row 0
-  is bit-identical across batch sizes (with the mode it must be; without, the control).
+  sequences), eager forward with and without the mode at batch 1 / 8 / 64, timed in ROUNDS
+  alternating rounds (host time drifts between runs), and whether row 0 is bit-identical
+  across batch sizes (with the mode it must be; without, the control).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Callable
 
 import torch
@@ -100,9 +102,20 @@ def norm_rows(m_values=(1, 8, 64, 512, 4096)) -> list[dict]:
     return rows
 
 
-def _forward_ms(model, ids: torch.Tensor, repeats: int = 10) -> float:
-    """Milliseconds of one eager forward, median of `repeats` after 3 warm-ups."""
-    return events_ms(lambda _: model(ids), 1, repeats, warmup=3)
+# An eager forward at small batches is bound by host time, which drifts (clocks, other
+# processes): the two modes are timed in alternating rounds, each a median of FORWARDS.
+ROUNDS, FORWARDS = 5, 10
+
+
+def _forward_ms(model, ids: torch.Tensor) -> tuple[float, float]:
+    """Milliseconds of one eager forward (without the mode, in the mode): per mode, the median
+    over ROUNDS alternating rounds of the median of FORWARDS forwards after 3 warm-ups."""
+    plain, mode = [], []
+    for _ in range(ROUNDS):
+        plain.append(events_ms(lambda _: model(ids), 1, FORWARDS, warmup=3))
+        with kernels.set_batch_invariant_mode():
+            mode.append(events_ms(lambda _: model(ids), 1, FORWARDS, warmup=3))
+    return statistics.median(plain), statistics.median(mode)
 
 
 def _row0_identical(model, ids: torch.Tensor) -> dict[int, bool]:
@@ -127,9 +140,7 @@ def model_rows() -> dict:
 
     with torch.inference_mode():
         for b in MODEL_BATCHES:
-            plain = _forward_ms(model, ids[:b])
-            with kernels.set_batch_invariant_mode():
-                mode = _forward_ms(model, ids[:b])
+            plain, mode = _forward_ms(model, ids[:b])
             result["batches"].append({"batch": b, "forward_ms_without_mode": plain,
                                       "forward_ms_in_mode": mode, "overhead": mode / plain})
             print(f"model batch {b:<3} without mode {plain:7.2f} ms  in mode {mode:7.2f} ms  "
@@ -148,7 +159,9 @@ def run(skip_model: bool = False, model_only: bool = False) -> dict:
     result = {**bench.environment(), "timing": {
         "eager": f"CUDA events around {CALLS} back-to-back eager calls after {WARMUP} "
                  f"warm-ups, median of {REPEATS}, rotating weight copies (host cost included)",
-        "graph": "median CUDA-graph replay of back-to-back calls (timing.graph_ms)"}}
+        "graph": "median CUDA-graph replay of back-to-back calls (timing.graph_ms)",
+        "model": f"one eager forward between CUDA events, median of {FORWARDS} after 3 warm-ups, "
+                 f"without and in the mode alternately, median of {ROUNDS} such rounds"}}
     result["matmul"] = [] if model_only else matmul_rows()
     result["norms"] = [] if model_only else norm_rows()
     if not skip_model:
