@@ -26,7 +26,9 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -34,6 +36,7 @@ from worker.engine.attention_metadata import AttentionMetadata
 from worker.model.ops import KVCache
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Context widths, in tokens, that graphs are captured for; a longer context runs eagerly.
 WIDTHS = (256, 512, 1024, 2048, 4096)
@@ -157,17 +160,9 @@ class DecodeGraphs:
         if not self.capture:
             graph = self.graphs[(b, width)] = _Graph(None, None)
             return graph
-        # One eager run on a side stream first: Triton compiles and cuBLAS picks its kernels
-        # outside the capture. Padding rows only touch the padding block, and the real rows
-        # already loaded are recomputed identically (their K/V rewritten with the same bits).
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._run(b, width)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            hidden = self._run(b, width)
+        # The warm-up run touches only the padding block with its padding rows and recomputes
+        # the real rows already loaded identically (their K/V rewritten with the same bits).
+        graph, hidden = capture_graph(lambda: self._run(b, width), self.pool)
         entry = self.graphs[(b, width)] = _Graph(graph, hidden)
         return entry
 
@@ -377,18 +372,25 @@ class MixedGraphs:
             self.graphs[(tokens, width)] = None
             return
         start = time.perf_counter()
-        # One eager run on a side stream first (Triton compiles, cuBLAS picks its kernels);
-        # it computes exactly what the replay will (the same inputs, the same K/V bits).
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._run(tokens, width)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self._run(tokens, width)
-        self.graphs[(tokens, width)] = graph
+        # The warm-up run computes exactly what the replay will (the same inputs, K/V bits).
+        self.graphs[(tokens, width)], _ = capture_graph(lambda: self._run(tokens, width),
+                                                        self.pool)
         self.capture_seconds += time.perf_counter() - start
+
+
+def capture_graph(run: Callable[[], T], pool) -> tuple[torch.cuda.CUDAGraph, T]:
+    """`run` captured into a graph in `pool`, and what the captured run returned. One eager
+    run on a side stream first, so that Triton compiles and cuBLAS picks its kernels outside
+    the capture."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return graph, out
 
 
 def _widths(max_model_len: int, block_size: int) -> list[int]:
