@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -245,3 +246,31 @@ def test_sigterm_past_the_grace_aborts_in_the_error_shape(start_gateway, vllm_wo
         else:
             assert o["status"] == 503 and o["json"]["error"]["code"] == "shutting_down"
         assert _record(gw, o["id"])["status"] == "aborted"
+
+
+def test_client_gone_before_the_first_event_frees_the_worker_and_is_recorded(start_gateway,
+                                                                              vllm_worker):
+    """The client hangs up while the gateway waits for the worker's first event: the stream
+    the gateway then relays has nobody to read it. Its worker must be let go and the request
+    recorded (whole, or aborted where the gateway noticed the hang-up first)."""
+    vllm_worker.delay_s = 1.0  # the first event comes after the client has left
+    gw = start_gateway([vllm_worker.url])
+    payload = orjson.dumps(body("Qwen/Qwen3-8B", 0, True))
+    host, port = gw.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+        time.sleep(0.3)
+    time.sleep(2.0)  # the worker answered; the gateway has settled the request
+    inflight = [line for line in httpx.get(gw.url + "/metrics").text.splitlines()
+                if line.startswith("detgate_worker_inflight{")]
+    assert inflight and all(line.endswith(" 0.0") for line in inflight), inflight
+    records = [k for k in gw.redis_keys() if b":rec:" in k]
+    assert len(records) == 1, records
+    client = redis.Redis.from_url(gw.redis_url)
+    try:
+        rec = orjson.loads(client.get(records[0]))
+    finally:
+        client.close()
+    assert rec["status"] in ("complete", "aborted"), rec
