@@ -19,7 +19,13 @@ from detgate.contract.compare import logprob_bits
 from tests.worker.paged_forward import make_caches, mixed_steps
 from worker.engine import offline as wl
 from worker.engine.config import EngineConfig
-from worker.engine.cuda_graphs import DecodeGraphs, MixedGraphs, graph_batch_sizes, token_buckets
+from worker.engine.cuda_graphs import (
+    DecodeGraphs,
+    MixedGraphs,
+    _widths_covering,
+    graph_batch_sizes,
+    token_buckets,
+)
 from worker.engine.engine import Engine
 from worker.model.loader import load
 
@@ -121,3 +127,9 @@ def test_mixed_forward_bits(tiny_model, mode):
     assert len({t for t, _ in graphs.graphs}) >= 2
     same = [torch.equal(a, b) for a, b in zip(eager, padded, strict=True)]
     assert all(same) if mode == "batch_invariant" else not all(same)
+
+
+def test_capture_all_takes_the_widths_up_to_the_first_that_covers():
+    assert _widths_covering([256, 512, 1024], 300) == [256, 512]
+    assert _widths_covering([256, 512, 1024], 512) == [256, 512]
+    assert _widths_covering([256, 512, 1024], 5000) == [256, 512, 1024]
