@@ -22,9 +22,9 @@ from worker.engine.config import EngineConfig
 from worker.engine.cuda_graphs import (
     DecodeGraphs,
     MixedGraphs,
-    _widths_covering,
     graph_batch_sizes,
     token_buckets,
+    widths_covering,
 )
 from worker.engine.engine import Engine
 from worker.model.loader import load
@@ -130,6 +130,6 @@ def test_mixed_forward_bits(tiny_model, mode):
 
 
 def test_capture_all_takes_the_widths_up_to_the_first_that_covers():
-    assert _widths_covering([256, 512, 1024], 300) == [256, 512]
-    assert _widths_covering([256, 512, 1024], 512) == [256, 512]
-    assert _widths_covering([256, 512, 1024], 5000) == [256, 512, 1024]
+    assert widths_covering([256, 512, 1024], 300) == [256, 512]
+    assert widths_covering([256, 512, 1024], 512) == [256, 512]
+    assert widths_covering([256, 512, 1024], 5000) == [256, 512, 1024]

@@ -107,7 +107,7 @@ class DecodeGraphs:
     def capture_all(self, max_seq_len: int) -> int:
         """Capture every batch size at the widths up to the one covering max_seq_len, largest
         first (smaller graphs then reuse the pool's memory). Returns the number of graphs."""
-        for width in _widths_covering(self.widths, max_seq_len):
+        for width in widths_covering(self.widths, max_seq_len):
             for b in reversed(self.batch_sizes):
                 if (b, width) not in self.graphs and not self.failed:
                     self._reset_padding(b, width)
@@ -287,7 +287,7 @@ class MixedGraphs:
     def capture_all(self, max_seq_len: int) -> int:
         """Capture every token bucket at the widths up to the one covering max_seq_len, largest
         first (smaller graphs then reuse the pool's memory). Returns the number of graphs."""
-        for width in _widths_covering(self.widths, max_seq_len):
+        for width in widths_covering(self.widths, max_seq_len):
             for tokens in reversed(self.buckets):
                 if (tokens, width) not in self.graphs and not self.failed \
                         and self._load_dummy(tokens, width):
@@ -389,7 +389,7 @@ def capture_graph(run: Callable[[], T], pool) -> tuple[torch.cuda.CUDAGraph, T]:
     return graph, out
 
 
-def _widths_covering(widths: list[int], max_seq_len: int) -> list[int]:
+def widths_covering(widths: list[int], max_seq_len: int) -> list[int]:
     """The widths below max_seq_len and the first one that covers it."""
     return [w for w in widths if w < max_seq_len] + [w for w in widths if w >= max_seq_len][:1]
 
