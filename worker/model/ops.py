@@ -28,7 +28,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+import kernels
 from detgate.contract.constants import MODES
+from kernels.attention import paged_attention, store_kv
 from worker.engine.attention_metadata import AttentionMetadata
 
 # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
@@ -48,7 +50,7 @@ class DefaultOps:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.is_cuda:
-            return _kernels().rms_norm(x, weight, eps)
+            return kernels.rms_norm(x, weight, eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return weight * xf.to(x.dtype)
@@ -57,7 +59,7 @@ class DefaultOps:
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if x.is_cuda:
-            return _kernels().add_rms_norm(x, residual, weight, eps)
+            return kernels.add_rms_norm(x, residual, weight, eps)
         residual = x + residual
         return self.rms_norm(residual, weight, eps), residual
 
@@ -71,13 +73,9 @@ class DefaultOps:
         scale: float,
     ) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]
-        k_cache, v_cache = kv_cache
         if q.is_cuda:
-            from kernels.attention import paged_attention, store_kv
-
-            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            return paged_attention(q, k_cache, v_cache, meta.block_tables,
-                                   meta.query_start_loc, meta.seq_lens, scale)
+            return _paged(q, k, v, kv_cache, meta, scale)
+        k_cache, v_cache = kv_cache
         _store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return _padded_sdpa(q, k_cache, v_cache, meta, scale)
 
@@ -94,28 +92,20 @@ class BatchInvariantOps:
 
     mode = "batch_invariant"
 
-    def __init__(self) -> None:
-        import kernels
-        from kernels.attention import paged_attention, store_kv
-
-        self._kernels = kernels
-        self._store_kv = store_kv
-        self._paged_attention = paged_attention
-
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         # weight: [N, K] as nn.Linear stores it; the kernel reads its transposed view, no copy.
-        out = self._kernels.matmul(x.reshape(-1, x.shape[-1]), weight.t(), bias)
+        out = kernels.matmul(x.reshape(-1, x.shape[-1]), weight.t(), bias)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return self._kernels.rms_norm(x, weight, eps)
+        return kernels.rms_norm(x, weight, eps)
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._kernels.add_rms_norm(x, residual, weight, eps)
+        return kernels.add_rms_norm(x, residual, weight, eps)
 
     def attention(
         self,
@@ -126,20 +116,13 @@ class BatchInvariantOps:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        # K/V go into the cache BEFORE attention, so fresh and cached keys are read and reduced
-        # the same way: a prompt gives the same bits whether prefilled at once, in chunks, or
-        # found in the prefix cache.
-        k_cache, v_cache = kv_cache
-        self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self._paged_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale
-        )
+        return _paged(q, k, v, kv_cache, meta, scale)
 
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
-        return self._kernels.log_softmax(logits, dim=-1)
+        return kernels.log_softmax(logits, dim=-1)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return self._kernels.silu_and_mul(gate_up)
+        return kernels.silu_and_mul(gate_up)
 
 
 Ops = DefaultOps | BatchInvariantOps
@@ -153,10 +136,15 @@ def make_ops(mode: str) -> Ops:
     raise ValueError(f"unknown numeric mode {mode!r}; expected one of {MODES}")
 
 
-def _kernels():
-    import kernels
-
-    return kernels
+def _paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+           meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Paged attention (kernels.attention). K/V go into the cache BEFORE attention, so fresh
+    and cached keys are read and reduced the same way: a prompt gives the same bits whether
+    prefilled at once, in chunks, or found in the prefix cache."""
+    k_cache, v_cache = kv_cache
+    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                           meta.seq_lens, scale)
 
 
 def _store_kv(
