@@ -23,6 +23,7 @@ import random
 import pytest
 import torch
 
+from kernels.selfcheck import same_bits
 from tests.worker.paged_forward import make_caches, mixed_steps
 from worker.engine import offline as wl
 from worker.engine.config import EngineConfig
@@ -165,7 +166,7 @@ def captured_vs_eager(loaded, seed: int) -> tuple[list[bool], MixedGraphs]:
                            device="cuda")
     assert not graphs.failed and all(g is not None for g in graphs.graphs.values())
     assert len({t for t, _ in graphs.graphs}) >= 3  # several token buckets were replayed
-    return [torch.equal(a, b) for a, b in zip(eager, captured, strict=True)], graphs
+    return [same_bits(a, b) for a, b in zip(eager, captured, strict=True)], graphs
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
