@@ -5,7 +5,8 @@ the capture itself is covered on CUDA by tests/worker/test_gpu_engine.py.
 Padding a decode batch up to a graph's batch size, a mixed prefill + decode step up to a token
 bucket (padding tokens in a padding sequence, empty sequences up to the graph's sequence count),
 and block tables up to the graph's width, must leave every real row's bits unchanged in
-batch_invariant mode; in default mode the padding moves the numbers (negative controls).
+batch_invariant mode; in default mode, and with the split-K control matmul on any CPU
+(tests/support/controls.py), the padding moves the numbers (negative controls).
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from detgate.contract.compare import logprob_bits
+from kernels.selfcheck import same_bits
+from tests.support.controls import SplitKOps, use_ops
 from tests.worker.paged_forward import make_caches, mixed_steps
 from worker.engine import offline as wl
 from worker.engine.config import EngineConfig
@@ -34,8 +36,15 @@ MAX_TOKENS = 64  # mixed steps: token buckets 16, 32, 64
 
 
 def loaded_model(tiny_model, mode: str):
+    """The demo model in `mode`, or (mode "split_k") in batch_invariant mode with the split-K
+    control's matmul (tests/support/controls.py)."""
     if mode not in _loaded:
-        _loaded[mode] = load(tiny_model, dtype="float32", device="cpu", mode=mode)
+        if mode == "split_k":
+            loaded = load(tiny_model, dtype="float32", device="cpu", mode="batch_invariant")
+            use_ops(loaded.model, SplitKOps())
+        else:
+            loaded = load(tiny_model, dtype="float32", device="cpu", mode=mode)
+        _loaded[mode] = loaded
     return _loaded[mode]
 
 
@@ -43,7 +52,8 @@ def run(tiny_model, mode: str, padded: bool, mixed: bool = False) -> tuple[dict,
     """The same traffic through an engine, eagerly (padded False) or through the graphs'
     static buffers: decode steps only, or (mixed) every step."""
     loaded = loaded_model(tiny_model, mode)
-    eng = Engine(EngineConfig(model=str(tiny_model), mode=mode, max_num_seqs=24,
+    engine_mode = "batch_invariant" if mode == "split_k" else mode
+    eng = Engine(EngineConfig(model=str(tiny_model), mode=engine_mode, max_num_seqs=24,
                               max_num_batched_tokens=MAX_TOKENS if mixed else 2048,
                               num_kv_blocks=256), loaded.model, loaded.config)
     runner = eng.runner
@@ -82,9 +92,10 @@ def test_padded_decode_is_bit_identical(tiny_model):
     assert padded == eager
 
 
-def test_negative_control_default_mode_padding_differs(tiny_model):
-    eager, _ = run(tiny_model, "default", padded=False)
-    padded, _ = run(tiny_model, "default", padded=True)
+@pytest.mark.parametrize("mode", ["default", "split_k"])
+def test_negative_control_padding_differs(tiny_model, mode):
+    eager, _ = run(tiny_model, mode, padded=False)
+    padded, _ = run(tiny_model, mode, padded=True)
     assert padded != eager
 
 
@@ -105,17 +116,18 @@ def test_mixed_steps_padded_are_bit_identical(tiny_model):
     assert padded == eager
 
 
-def test_negative_control_default_mode_mixed_padding_differs(tiny_model):
-    eager, _ = run(tiny_model, "default", padded=False, mixed=True)
-    padded, _ = run(tiny_model, "default", padded=True, mixed=True)
+@pytest.mark.parametrize("mode", ["default", "split_k"])
+def test_negative_control_mixed_padding_differs(tiny_model, mode):
+    eager, _ = run(tiny_model, mode, padded=False, mixed=True)
+    padded, _ = run(tiny_model, mode, padded=True, mixed=True)
     assert padded != eager
 
 
-@pytest.mark.parametrize("mode", ["batch_invariant", "default"])
+@pytest.mark.parametrize("mode", ["batch_invariant", "default", "split_k"])
 def test_mixed_forward_bits(tiny_model, mode):
     """Forward level: steps mixing prefill chunks and decodes, eager against the padded
-    static-buffer path, hidden states compared as bit patterns; default mode must differ
-    somewhere (negative control)."""
+    static-buffer path, hidden states compared as bit patterns; default mode and the split-K
+    control (batch-variant by construction, on any CPU) must differ somewhere."""
     loaded = loaded_model(tiny_model, mode)
     rng = random.Random(4)
     vocab = loaded.config.vocab_size
@@ -125,7 +137,7 @@ def test_mixed_forward_bits(tiny_model, mode):
     graphs = mixed_graphs(loaded, caches, 16, 2048, 63)
     padded = mixed_steps(loaded.model, caches, prompts, 5, MAX_TOKENS, graphs.forward)
     assert len({t for t, _ in graphs.graphs}) >= 2
-    same = [torch.equal(a, b) for a, b in zip(eager, padded, strict=True)]
+    same = [same_bits(a, b) for a, b in zip(eager, padded, strict=True)]
     assert all(same) if mode == "batch_invariant" else not all(same)
 
 
