@@ -129,7 +129,28 @@ def test_chunked_prefill_and_preemption_are_bit_identical(module_worker, flags):
     assert asyncio.run(alone(url, NEEDLES)) == reference
     assert asyncio.run(crowded(url, NEEDLES, traffic_seed=2)) == reference
     if "--num-kv-blocks" in flags:
-        assert counter(url, "detgate_worker_preemptions_total") > 0
+        before = counter(url, "detgate_worker_preemptions_total")
+        alone_hog = asyncio.run(twins(reference_url, n=1))
+        assert asyncio.run(twins(url, n=2)) == alone_hog * 2
+        assert counter(url, "detgate_worker_preemptions_total") > before
+
+
+# 64 prompt tokens + 90 generated = 154: one such sequence needs all 10 blocks of the small cache
+# by its end (ten blocks of 16 hold 160 tokens).
+TWIN_PROMPT = [(5 * k) % 1900 + 70 for k in range(64)]
+
+
+async def twins(url: str, n: int) -> list:
+    """The same long request with `n` choices. With n=2 on the 10-block cache the two sequences
+    are queued in the same instant and admitted together (4 + 4 blocks of prompt), and each
+    grows to 10 blocks: one of them must be preempted whatever the timing, which crowded
+    traffic alone does not guarantee."""
+    body = {"model": MODEL, "prompt": TWIN_PROMPT, "max_tokens": 90, "n": n, "temperature": 0,
+            "logprobs": 0, "return_token_ids": True, "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=600) as client:
+        r = await client.post(f"{url}/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return [(c["token_ids"], bits(c["logprobs"]["token_logprobs"])) for c in r.json()["choices"]]
 
 
 def test_prefix_cache_hot_equals_cold(module_worker):
