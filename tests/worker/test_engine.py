@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from tests.support.floats import bits
 from worker.engine.config import EngineConfig
 from worker.engine.engine import AsyncEngine, Engine
 from worker.engine.sequence import SamplingParams
@@ -30,7 +31,8 @@ def prompts(n: int, seed: int = 0, lo: int = 5, hi: int = 60) -> list[list[int]]
 
 
 def run(eng: Engine, reqs: dict[str, tuple[list[int], SamplingParams]]):
-    """Run requests to completion: request id -> [(token id, logprob)], plus the step stats."""
+    """Run requests to completion: request id -> [(token id, logprob's bit pattern)], plus the
+    step stats. Bit patterns, so that results compare equal only bit for bit (-0.0 != 0.0)."""
     for rid, (ids, params) in reqs.items():
         eng.add(rid, ids, params)
     out: dict[str, list] = {rid: [] for rid in reqs}
@@ -39,7 +41,7 @@ def run(eng: Engine, reqs: dict[str, tuple[list[int], SamplingParams]]):
         outputs, st = eng.step()
         stats.append(st)
         for o in outputs:
-            out[o.request_id].extend((t.token_id, t.logprob) for t in o.new_tokens)
+            out[o.request_id].extend((t.token_id, bits([t.logprob])[0]) for t in o.new_tokens)
     return out, stats
 
 
@@ -96,7 +98,7 @@ def test_score_equals_sampled_logprobs(tiny_model):
         for o in eng.step()[0]:
             scored = o.prompt_logprobs
     assert [t.token_id for t in scored] == full[1:]
-    assert [t.logprob for t in scored[len(ids) - 1:]] == [lp for _, lp in sampled["a"]]
+    assert bits([t.logprob for t in scored[len(ids) - 1:]]) == tuple(lp for _, lp in sampled["a"])
 
 
 def test_prompt_logprobs_survive_chunking_and_match_a_single_pass(tiny_model):
