@@ -26,6 +26,8 @@ def add_engine_args(p: argparse.ArgumentParser, model: str = "tiny") -> None:
     p.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: no CUDA graphs for decode steps")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="CUDA: wait for each step's results before scheduling the next")
 
 
 def register(sub) -> None:

@@ -191,15 +191,15 @@ async def test_async_engine_batches_concurrent_requests_and_aborts(tiny_model):
 
 async def test_a_failed_step_fails_its_requests_and_the_loop_goes_on(tiny_model):
     eng = engine(tiny_model, num_kv_blocks=32)
-    real_run, calls = eng.runner.run, []
+    real_launch, calls = eng.runner.launch, []
 
-    def fails_once(batch):
+    def fails_once(batch, previous):
         calls.append(batch)
         if len(calls) == 1:
             raise RuntimeError("injected failure")
-        return real_run(batch)
+        return real_launch(batch, previous)
 
-    eng.runner.run = fails_once
+    eng.runner.launch = fails_once
     async_engine = AsyncEngine(eng)
     async_engine.start()
     try:

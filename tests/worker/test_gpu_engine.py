@@ -5,6 +5,8 @@ with decode steps replayed from CUDA graphs.
   join step by step, gives the same token ids and bitwise-equal logprobs;
 - CUDA graphs change nothing: the same traffic run eagerly gives the same bits (decode-only
   steps and steps that mix prefill chunks and decodes are both replayed from graphs);
+- asynchronous scheduling changes nothing: steps launched before the previous step's ids
+  reach the host give the bits of steps that wait;
 - mixed steps captured vs eager, at the forward level: steps of prefill chunks and decodes,
   each replayed from its token bucket's graph (padding tokens, empty sequences), give the eager
   forward's hidden bits; on the Qwen3-8B-wide model too, where default mode (cuBLAS picks its
@@ -23,8 +25,10 @@ import random
 import pytest
 import torch
 
+from detgate.contract.compare import logprob_bits
 from kernels.selfcheck import same_bits
 from tests.worker.paged_forward import make_caches, mixed_steps
+from tests.worker.test_async_scheduling import traffic as async_traffic
 from worker.engine import offline as wl
 from worker.engine.config import EngineConfig
 from worker.engine.cuda_graphs import MixedGraphs
@@ -46,9 +50,10 @@ def engine(tiny_model, mode: str, dtype: str, **overrides) -> Engine:
     if (mode, dtype) not in _loaded:
         _loaded[mode, dtype] = load(tiny_model, dtype=dtype, device="cuda", mode=mode)
     loaded = _loaded[mode, dtype]
+    limits = {"max_num_seqs": 64, "max_num_batched_tokens": 1024, "kv_cache_mb": 256,
+              **overrides}
     config = EngineConfig(model=str(tiny_model), mode=mode, device="cuda", dtype=dtype,
-                          max_num_seqs=64, max_num_batched_tokens=1024, kv_cache_mb=256,
-                          **overrides)
+                          **limits)
     return Engine(config, loaded.model, loaded.config)
 
 
@@ -59,9 +64,13 @@ def traffic(vocab_size: int) -> list[wl.Request]:
                                    filler_tokens=(1, 64), vocab_size=vocab_size, seed=7)
 
 
-def needle_results(out: dict[str, wl.Completion]) -> list[tuple[list[int], list[float]]]:
-    return [(c.token_ids, c.logprobs) for rid, c in sorted(out.items())
-            if rid.startswith("needle")]
+def results(out: dict[str, wl.Completion]) -> dict[str, tuple[list[int], tuple]]:
+    """Token ids and logprob bit patterns (-0.0 is not 0.0) per request."""
+    return {rid: (c.token_ids, logprob_bits(c.logprobs)) for rid, c in out.items()}
+
+
+def needle_results(out: dict[str, wl.Completion]) -> list[tuple[list[int], tuple]]:
+    return [r for rid, r in sorted(results(out).items()) if rid.startswith("needle")]
 
 
 def alone_and_crowded(eng: Engine):
@@ -81,7 +90,7 @@ def test_needle_in_batch_is_bit_identical_with_cuda_graphs(tiny_model, dtype):
     assert eng.runner.mixed_graphs is not None and eng.runner.mixed_graphs.graphs
     assert not eng.runner.graphs.failed and not eng.runner.mixed_graphs.failed
     assert len(alone.token_ids) == NEEDLE_TOKENS
-    assert needle_results(crowded) == [(alone.token_ids, alone.logprobs)] * 6
+    assert needle_results(crowded) == [(alone.token_ids, logprob_bits(alone.logprobs))] * 6
 
 
 def test_cuda_graphs_equal_eager(tiny_model):
@@ -93,8 +102,28 @@ def test_cuda_graphs_equal_eager(tiny_model):
     eager_engine = engine(tiny_model, "batch_invariant", "bfloat16", enforce_eager=True)
     assert eager_engine.runner.graphs is None and eager_engine.runner.mixed_graphs is None
     eager, _ = wl.run(eager_engine, reqs, arrival_seed=11)  # other arrivals too
-    assert {k: (c.token_ids, c.logprobs) for k, c in graphs.items()} == \
-           {k: (c.token_ids, c.logprobs) for k, c in eager.items()}
+    assert results(graphs) == results(eager)
+
+
+def test_async_scheduling_equals_sync(tiny_model):
+    """Steps launched before the previous step's ids are on the host (the CUDA default), with
+    early stops on the token in flight, seeded sampling, prompt scoring and preemptions, give
+    the bits of steps that wait (tests/worker/test_async_scheduling.py runs the same on the
+    CPU, with its negative control)."""
+    reqs = async_traffic(_vocab(tiny_model))
+    overlapped_engine = engine(tiny_model, "batch_invariant", "bfloat16", kv_cache_mb=None,
+                               num_kv_blocks=24, max_num_seqs=24, max_num_batched_tokens=64)
+    assert overlapped_engine.async_scheduling
+    overlapped, stats = wl.run(overlapped_engine, reqs, arrival_seed=13)
+    sync_engine = engine(tiny_model, "batch_invariant", "bfloat16", kv_cache_mb=None,
+                         num_kv_blocks=24, max_num_seqs=24, max_num_batched_tokens=64,
+                         async_scheduling=False)
+    sync, sync_stats = wl.run(sync_engine, reqs, arrival_seed=13)
+    assert results(overlapped) == results(sync)
+    assert {k: logprob_bits(c.prompt_logprobs or []) for k, c in overlapped.items()} == \
+           {k: logprob_bits(c.prompt_logprobs or []) for k, c in sync.items()}
+    assert overlapped_engine.scheduler.num_preemptions > 0
+    assert (stats.steps, stats.mean_batch_size) != (sync_stats.steps, sync_stats.mean_batch_size)
 
 
 def test_score_equals_sampled_logprobs(tiny_model):
@@ -131,13 +160,14 @@ def wide_engine(loaded) -> Engine:
 
 def test_wide_model_needle_in_batch_is_bit_identical(wide_models):
     alone, crowded, _ = alone_and_crowded(wide_engine(wide_models["batch_invariant"]))
-    assert needle_results(crowded) == [(alone.token_ids, alone.logprobs)] * 6
+    assert needle_results(crowded) == [(alone.token_ids, logprob_bits(alone.logprobs))] * 6
 
 
 def test_negative_control_default_mode_differs(wide_models):
     alone, crowded, _ = alone_and_crowded(wide_engine(wide_models["default"]))
     # Exact float comparison: the differences may be a few bits of some logprobs.
-    assert any(r != (alone.token_ids, alone.logprobs) for r in needle_results(crowded))
+    want = (alone.token_ids, logprob_bits(alone.logprobs))
+    assert any(r != want for r in needle_results(crowded))
 
 
 def _vocab(tiny_model) -> int:

@@ -42,9 +42,9 @@ def test_step_inputs_equal_the_per_token_loop(tiny_model):
     prepare = runner._prepare_inputs
     checked = []
 
-    def checked_prepare(batch):
+    def checked_prepare(batch, previous):
         want = reference_inputs(batch, runner.block_size)
-        ids, pos, meta = prepare(batch)
+        ids, pos, meta = prepare(batch, previous)
         got = {"input_ids": ids.numpy(), "positions": pos.numpy(),
                "slot_mapping": meta.slot_mapping.numpy(),
                "query_start_loc": meta.query_start_loc.numpy(),

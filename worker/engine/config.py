@@ -32,6 +32,9 @@ class EngineConfig:
     enforce_eager: bool = False
     # batch_invariant on the CPU: check the kernels' invariance on the model's shapes first.
     self_check: bool = True
+    # Schedule and launch step n + 1 before waiting for step n's results; None = on CUDA
+    # (where it hides the host's work behind the GPU's), off on the CPU (nothing to hide).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -47,6 +50,12 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive")
 
     @property
+    def overlaps_steps(self) -> bool:
+        if self.async_scheduling is None:
+            return self.device == "cuda"
+        return self.async_scheduling
+
+    @property
     def prefill_chunk(self) -> int:
         return self.chunk_size or self.max_num_batched_tokens
 
@@ -59,6 +68,8 @@ class EngineConfig:
             values["enable_prefix_cache"] = False
         if getattr(args, "skip_self_check", False):
             values["self_check"] = False
+        if getattr(args, "no_async_scheduling", False):
+            values["async_scheduling"] = False
         return cls(**values)
 
 

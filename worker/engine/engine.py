@@ -1,6 +1,6 @@
-"""The engine: `step()` = schedule -> run -> postprocess, and AsyncEngine, which runs one engine
-loop in a thread for all concurrent requests (continuous batching) and streams each request's
-outputs back to its asyncio task."""
+"""The engine: `step()` = schedule -> launch -> collect -> resolve, and AsyncEngine, which runs
+one engine loop in a thread for all concurrent requests (continuous batching) and streams each
+request's outputs back to its asyncio task."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
-from worker.engine.model_runner import ModelRunner, StepResult
-from worker.engine.scheduler import Batch, Scheduler
+from worker.engine.model_runner import Launch, ModelRunner, StepResult
+from worker.engine.scheduler import Batch, ScheduledSeq, Scheduler
 from worker.engine.sequence import SamplingParams, Sequence, TokenLogprob
 from worker.errors import EngineDead, InvalidRequest
 
@@ -44,6 +44,12 @@ class StepStats:
     seconds: float
 
 
+@dataclass
+class _InFlight:
+    batch: Batch
+    launch: Launch | None  # None: nothing to run (only preemptions)
+
+
 class Engine:
     def __init__(self, config: EngineConfig, model, model_config) -> None:
         self.config = config
@@ -56,6 +62,8 @@ class Engine:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    prefill_chunk=config.prefill_chunk)
         self._seqs: dict[str, Sequence] = {}
+        self.async_scheduling = config.overlaps_steps
+        self._in_flight: _InFlight | None = None  # launched, its results not yet collected
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequest if the request can never run. Pure: safe from any thread."""
@@ -92,34 +100,51 @@ class Engine:
     def abort_all(self) -> None:
         for request_id in list(self._seqs):
             self.abort(request_id)
+        self._in_flight = None
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self._in_flight is not None or self.scheduler.has_work()
 
     def step(self) -> tuple[list[RequestOutput], StepStats]:
+        """Run one step and return its outputs. With asynchronous scheduling the next step is
+        scheduled and launched before this one's results are waited for, so the host's work
+        for step n + 1 (and for step n's outputs) overlaps step n's on the GPU."""
         start = time.perf_counter()
-        batch = self.scheduler.schedule()
-        result = self.runner.run(batch) if batch.entries else StepResult([], [])
+        current = self._in_flight or self._launch(self.scheduler.schedule(), None)
+        self._in_flight = None
+        if self.async_scheduling:
+            upcoming = self.scheduler.schedule()
+            if upcoming.entries or upcoming.num_preempted:
+                self._in_flight = self._launch(upcoming, current.launch)
+        result = self.runner.collect(current.launch) if current.launch else StepResult([], [])
         for seq, logprobs in result.prompt_logprobs:
             seq.prompt_logprobs.extend(logprobs)
-        self.scheduler.postprocess(batch, [t.token_id for t in result.sampled])
-        return self._outputs(batch, result), self._stats(batch, result, time.perf_counter() - start)
+        resolved = self.scheduler.resolve(current.batch, [t.token_id for t in result.sampled])
+        outputs = self._outputs(current.batch, resolved, result)
+        return outputs, self._stats(current.batch, result, time.perf_counter() - start)
 
-    def _outputs(self, batch: Batch, result: StepResult) -> list[RequestOutput]:
-        sampled = iter(result.sampled)
+    def _launch(self, batch: Batch, previous: Launch | None) -> _InFlight:
+        launch = self.runner.launch(batch, previous) if batch.entries else None
+        self.scheduler.advance(batch)
+        return _InFlight(batch, launch)
+
+    def _outputs(self, batch: Batch, resolved: list[ScheduledSeq],
+                 result: StepResult) -> list[RequestOutput]:
+        tokens = dict(zip((e.seq for e in batch.entries if e.samples), result.sampled,
+                          strict=True))
         outputs = []
-        for entry in batch.entries:
-            if not entry.completes_prefill:
-                continue
+        for entry in resolved:
             seq = entry.seq
-            outputs.append(self._output(seq, [next(sampled)] if entry.samples else []))
+            # The prompt's logprobs go out with the first token (or alone when nothing is
+            # generated): the step that computed the prompt's last token.
+            first = entry.end == seq.num_prompt_tokens
+            outputs.append(self._output(seq, [tokens[seq]] if entry.samples else [], first))
             if seq.is_finished:
                 del self._seqs[seq.request_id]
         return outputs
 
-    def _output(self, seq: Sequence, new_tokens: list[TokenLogprob]) -> RequestOutput:
-        # The prompt's logprobs go out with the first token (or alone when nothing is generated).
-        first = seq.num_completion_tokens <= 1 and seq.finish_reason != "abort"
+    def _output(self, seq: Sequence, new_tokens: list[TokenLogprob],
+                first: bool = False) -> RequestOutput:
         with_prompt = seq.params.prompt_logprobs is not None and first
         return RequestOutput(seq.request_id, new_tokens, seq.is_finished, seq.finish_reason,
                              seq.num_prompt_tokens, seq.num_cached_tokens,

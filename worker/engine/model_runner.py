@@ -20,7 +20,7 @@ from worker.engine.config import CUDA_KV_MEMORY_FRACTION, DEFAULT_CPU_KV_MB, Eng
 from worker.engine.cuda_graphs import DecodeGraphs, MixedGraphs
 from worker.engine.sampler import Sampler
 from worker.engine.scheduler import Batch
-from worker.engine.sequence import Sequence, TokenLogprob
+from worker.engine.sequence import PENDING, Sequence, TokenLogprob
 from worker.model.ops import make_ops
 
 
@@ -38,6 +38,7 @@ class InputBuffers:
         sizes = {"input_ids": max_tokens, "positions": max_tokens, "slot_mapping": max_tokens,
                  "logits_indices": max_tokens, "targets": max_tokens, "sample_rows": max_seqs,
                  "query_start_loc": max_seqs + 1, "seq_lens": max_seqs,
+                 "pending_index": max_seqs, "pending_rows": max_seqs,
                  "block_tables": max_seqs * max_blocks}
         pin = device.type == "cuda"
         self.host: dict[str, torch.Tensor] = {}
@@ -63,6 +64,16 @@ class InputBuffers:
             dev.copy_(host, non_blocking=True)
             self.copied.setdefault(name, torch.cuda.Event()).record()
         return dev.view(values.shape)
+
+
+@dataclass
+class Launch:
+    """A step queued on the device: what `collect` needs to read its results."""
+
+    sample_seqs: list[Sequence]  # one per sampled row, in batch order
+    rows: _Rows
+    sampled: torch.Tensor | None  # [S] int64 on the device: the next step's PENDING tokens
+    results: _Results
 
 
 @dataclass
@@ -105,27 +116,42 @@ class ModelRunner:
                                    -(-self.max_model_len // self.block_size))
         self.sampler = Sampler(make_ops(config.mode).log_softmax, self.device)
 
-    @torch.inference_mode()
     def run(self, batch: Batch) -> StepResult:
-        input_ids, positions, meta = self._prepare_inputs(batch)
+        """Run one batch and wait for its results (no step in flight before it)."""
+        return self.collect(self.launch(batch, None))
+
+    @torch.inference_mode()
+    def launch(self, batch: Batch, previous: Launch | None) -> Launch:
+        """Queue a step's GPU work and the copy of its results to the host, without waiting.
+        `previous`: the step still in flight, whose sampled ids are this step's PENDING
+        input tokens (read on the device)."""
+        input_ids, positions, meta = self._prepare_inputs(batch, previous)
         rows = self._plan_rows(batch)
         hidden = self._forward(input_ids, positions, meta)  # [T, H]
+        sample_seqs = [e.seq for e in batch.entries if e.samples]
         if not rows.logits_indices:  # only prefill chunks that neither sample nor score
-            return StepResult([], [])
+            return Launch(sample_seqs, rows, None, _Results([]))
         logits_indices = self.inputs.put("logits_indices", np.array(rows.logits_indices, np.int64))
         logits = self.model.compute_logits(hidden[logits_indices])  # [R, V] fp32
-        sample_seqs = [e.seq for e in batch.entries if e.samples]
         sample_rows = self.inputs.put("sample_rows", np.array(rows.sample_rows, np.int64))
         sampled = self.sampler.sample(logits[sample_rows], sample_seqs)  # [S] int64
         if rows.num_top < 0:
-            (token_ids,) = _to_host(sampled)
-            return StepResult([TokenLogprob(t) for t in token_ids.tolist()], [])
+            return Launch(sample_seqs, rows, sampled, _Results([sampled]))
         chosen = self.inputs.put("targets", np.array(rows.targets, np.int64)).clone()
         chosen[sample_rows] = sampled
         lp = self.sampler.logprobs(logits, chosen, rows.num_top, rows.with_rank)
-        host = _to_host(sampled, lp.chosen, lp.top_values, lp.top_ids,
-                        *([lp.rank] if lp.rank is not None else []))
-        return self._unpack(sample_seqs, rows, [h.tolist() for h in host])
+        results = [sampled, lp.chosen, lp.top_values, lp.top_ids]
+        return Launch(sample_seqs, rows, sampled,
+                      _Results(results + ([lp.rank] if rows.with_rank else [])))
+
+    def collect(self, launch: Launch) -> StepResult:
+        """Wait for a launched step's results and unpack them."""
+        host = [h.tolist() for h in launch.results.wait()]
+        if not host:
+            return StepResult([], [])
+        if launch.rows.num_top < 0:
+            return StepResult([TokenLogprob(t) for t in host[0]], [])
+        return self._unpack(launch.sample_seqs, launch.rows, host)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
@@ -138,7 +164,8 @@ class ModelRunner:
 
     # -- inputs ----------------------------------------------------------------------------
 
-    def _prepare_inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _prepare_inputs(self, batch: Batch, previous: Launch | None
+                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         # Per sequence only its start, count, table and token slice are read in Python; every
         # per-token input is one numpy expression: a decode step of hundreds of sequences must
         # cost well under the GPU's step time on the host.
@@ -169,7 +196,15 @@ class ModelRunner:
             max_query_len=int(counts.max()),
             max_seq_len=int(ends.max()),
         )
-        return put("input_ids", ids), put("positions", positions), meta
+        input_ids = put("input_ids", ids)
+        pending = np.flatnonzero(ids == PENDING)
+        if pending.size:  # tokens the previous step is sampling: copied on the device
+            assert previous is not None and previous.sampled is not None, "PENDING without a step"
+            row_of = {seq: r for r, seq in enumerate(previous.sample_seqs)}
+            rows = np.fromiter((row_of[entries[i].seq] for i in seq_of[pending]), np.int64,
+                               pending.size)
+            input_ids[put("pending_index", pending)] = previous.sampled[put("pending_rows", rows)]
+        return input_ids, put("positions", positions), meta
 
     def _plan_rows(self, batch: Batch) -> _Rows:
         rows = _Rows([], [], [], [], num_top=-1, with_rank=False)
@@ -242,10 +277,22 @@ class ModelRunner:
         return [(cache[i, 0], cache[i, 1]) for i in range(mc.num_layers)]
 
 
-def _to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    """Copy a step's results to the host with a single synchronisation."""
-    if tensors[0].device.type == "cpu":
-        return list(tensors)
-    out = [t.to("cpu", non_blocking=True) for t in tensors]
-    torch.cuda.current_stream(tensors[0].device).synchronize()
-    return out
+class _Results:
+    """A step's result tensors on their way to the host: on CUDA copied into pinned memory
+    behind the step's work, with an event to wait on that step alone (a stream sync would
+    also wait for the step launched after it)."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.event = None
+        if not tensors or tensors[0].device.type == "cpu":
+            self.host = tensors
+            return
+        self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                     .copy_(t, non_blocking=True) for t in tensors]
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def wait(self) -> list[torch.Tensor]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host

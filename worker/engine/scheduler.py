@@ -6,6 +6,15 @@ max_num_seqs and the KV cache allow. When a decode needs a new block and none is
 newest running sequence is preempted: its blocks are freed and it goes back to the front of the
 waiting queue, to be recomputed (its full blocks usually come straight back from the prefix
 cache). In batch-invariant mode none of this changes any token's numbers.
+
+A step's bookkeeping comes in two halves, so that the next step can be scheduled while this one
+runs on the GPU (asynchronous scheduling): `advance` right after the step is launched (tokens
+computed, blocks published, a PENDING slot for each token being sampled), `resolve` once its
+sampled ids are on the host (PENDING replaced, stops checked). Between the two a sequence
+with nothing left to compute (its next token is the one in flight, or its last token is) is
+not scheduled; a sequence that stops on the token in flight was already scheduled once more,
+and that step's result for it is dropped. Blocks freed while a step is in flight are safe to
+hand out: every later write to them is a later launch on the same stream.
 """
 
 from __future__ import annotations
@@ -14,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from worker.engine.block_manager import BlockManager
-from worker.engine.sequence import Sequence, SequenceStatus
+from worker.engine.sequence import PENDING, Sequence, SequenceStatus
 
 
 @dataclass
@@ -78,6 +87,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if not seq.num_uncomputed_tokens:  # waits for the token of a step in flight
+                i += 1
+                continue
             while not self.block_manager.can_append(seq):
                 victim = self.running[-1]  # the newest; never one already scheduled (index < i)
                 self._preempt(victim)
@@ -106,23 +118,48 @@ class Scheduler:
         self.num_preemptions += preempted
         return Batch(entries, preempted)
 
-    def postprocess(self, batch: Batch, sampled_token_ids: list[int]) -> None:
-        """Record a step's work: computed tokens, published blocks, one new token per sampler."""
-        sampled = iter(sampled_token_ids)
+    def postprocess(self, batch: Batch, sampled_token_ids: list[int]) -> list[ScheduledSeq]:
+        """`advance` then `resolve`: a step's whole bookkeeping once its results are in."""
+        self.advance(batch)
+        return self.resolve(batch, sampled_token_ids)
+
+    def advance(self, batch: Batch) -> None:
+        """Record a launched step: its tokens are computed, and each sampling sequence that
+        will go on gets a PENDING slot for the token being sampled, which the next step reads
+        on the device. A sequence whose last token this is gets no slot: it waits for
+        `resolve`, which finishes it."""
         for entry in batch.entries:
             seq = entry.seq
             seq.num_computed_tokens = entry.end
             self.block_manager.register_computed(seq)
-            if not entry.completes_prefill:
+            if entry.samples and seq.num_completion_tokens + 1 < seq.params.max_tokens:
+                seq.token_ids.append(PENDING)
+
+    def resolve(self, batch: Batch, sampled_token_ids: list[int]) -> list[ScheduledSeq]:
+        """A step's sampled ids (one per sampling entry) are in: put them in place and check
+        stops. Returns the entries that produced an output (a finished prefill), leaving out
+        sequences aborted or stopped since the step was launched."""
+        sampled = iter(sampled_token_ids)
+        resolved = []
+        for entry in batch.entries:
+            token_id = next(sampled) if entry.samples else None
+            seq = entry.seq
+            if seq.is_finished or not entry.completes_prefill:
                 continue
-            if not entry.samples:
+            resolved.append(entry)
+            if token_id is None:
                 self.finish(seq, "length")
                 continue
-            token_id = next(sampled)
-            seq.token_ids.append(token_id)
-            reason = stop_reason(seq, token_id)
+            # The token's slot: PENDING unless it was this sequence's last (`advance`); the
+            # step launched after this one may have added a PENDING of its own behind it.
+            if len(seq.token_ids) > entry.end:
+                seq.token_ids[entry.end] = token_id
+            else:
+                seq.token_ids.append(token_id)
+            reason = stop_reason(seq, token_id, entry.end + 1 - seq.num_prompt_tokens)
             if reason is not None:
                 self.finish(seq, reason)
+        return resolved
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End `seq` (stop, length or abort) wherever it is, and free its blocks."""
@@ -148,12 +185,13 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
 
-def stop_reason(seq: Sequence, token_id: int) -> str | None:
+def stop_reason(seq: Sequence, token_id: int, num_completion_tokens: int) -> str | None:
+    """Why `seq` ends at `token_id`, its completion token number `num_completion_tokens`."""
     params = seq.params
     if token_id in params.stop_token_ids:
         return "stop"
     if not params.ignore_eos and token_id in seq.eos_token_ids:
         return "stop"
-    if seq.num_completion_tokens >= params.max_tokens:
+    if num_completion_tokens >= params.max_tokens:
         return "length"
     return None

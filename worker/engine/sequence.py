@@ -8,6 +8,9 @@ from enum import Enum, auto
 
 # Below this temperature a request is greedy (argmax), as in vLLM.
 GREEDY_EPS = 1e-5
+# The token id of a token sampled on the device whose id the host does not know yet
+# (asynchronous scheduling: the next step reads it from the device).
+PENDING = -1
 
 
 @dataclass(frozen=True)
