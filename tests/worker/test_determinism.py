@@ -113,14 +113,17 @@ def test_negative_control_default_mode_differs(module_worker):
 
 # Several chunkings of the same prompts, with and without a KV cache small enough to force
 # preemption (10 blocks hold 160 tokens: two or three sequences, which outgrow it as they decode).
+# The last one also schedules each step before the previous step's results are in.
+PREEMPTING = ("--chunk-size", "37", "--max-num-batched-tokens", "64", "--num-kv-blocks", "10",
+              "--max-model-len", "160")
 SCHEDULES = [
     ("--chunk-size", "16", "--no-prefix-cache"),
-    ("--chunk-size", "37", "--max-num-batched-tokens", "64", "--num-kv-blocks", "10",
-     "--max-model-len", "160"),
+    PREEMPTING,
+    (*PREEMPTING, "--async-scheduling"),
 ]
 
 
-@pytest.mark.parametrize("flags", SCHEDULES, ids=["chunk16", "chunk37-preempt"])
+@pytest.mark.parametrize("flags", SCHEDULES, ids=["chunk16", "chunk37-preempt", "async"])
 def test_chunked_prefill_and_preemption_are_bit_identical(module_worker, flags):
     reference_url = module_worker("batch_invariant").url
     reference = asyncio.run(alone(reference_url, NEEDLES))

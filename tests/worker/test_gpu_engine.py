@@ -106,14 +106,14 @@ def test_cuda_graphs_equal_eager(tiny_model):
 
 
 def test_async_scheduling_equals_sync(tiny_model):
-    """Steps launched before the previous step's ids are on the host (the CUDA default), with
+    """Steps launched before the previous step's ids are on the host (--async-scheduling), with
     early stops on the token in flight, seeded sampling, prompt scoring and preemptions, give
     the bits of steps that wait (tests/worker/test_async_scheduling.py runs the same on the
     CPU, with its negative control)."""
     reqs = async_traffic(_vocab(tiny_model))
     overlapped_engine = engine(tiny_model, "batch_invariant", "bfloat16", kv_cache_mb=None,
-                               num_kv_blocks=24, max_num_seqs=24, max_num_batched_tokens=64)
-    assert overlapped_engine.async_scheduling
+                               num_kv_blocks=24, max_num_seqs=24, max_num_batched_tokens=64,
+                               async_scheduling=True)
     overlapped, stats = wl.run(overlapped_engine, reqs, arrival_seed=13)
     sync_engine = engine(tiny_model, "batch_invariant", "bfloat16", kv_cache_mb=None,
                          num_kv_blocks=24, max_num_seqs=24, max_num_batched_tokens=64,

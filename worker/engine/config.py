@@ -32,9 +32,11 @@ class EngineConfig:
     enforce_eager: bool = False
     # batch_invariant on the CPU: check the kernels' invariance on the model's shapes first.
     self_check: bool = True
-    # Schedule and launch step n + 1 before waiting for step n's results; None = on CUDA
-    # (where it hides the host's work behind the GPU's), off on the CPU (nothing to hide).
-    async_scheduling: bool | None = None
+    # Schedule and launch step n + 1 before waiting for step n's results, so that on CUDA the
+    # host's work hides behind the GPU's (on the CPU nothing overlaps; the bookkeeping is the
+    # same). Off by default until it is measured on a GPU (detgate/bench/engine_gpu.py's
+    # cost_async phase).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -50,12 +52,6 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive")
 
     @property
-    def overlaps_steps(self) -> bool:
-        if self.async_scheduling is None:
-            return self.device == "cuda"
-        return self.async_scheduling
-
-    @property
     def prefill_chunk(self) -> int:
         return self.chunk_size or self.max_num_batched_tokens
 
@@ -68,8 +64,6 @@ class EngineConfig:
             values["enable_prefix_cache"] = False
         if getattr(args, "skip_self_check", False):
             values["self_check"] = False
-        if getattr(args, "no_async_scheduling", False):
-            values["async_scheduling"] = False
         return cls(**values)
 
 
