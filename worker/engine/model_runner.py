@@ -3,8 +3,9 @@
 A batch mixes prefill chunks and decodes; their tokens are concatenated (sequence by sequence,
 in batch order) into one forward pass. Logits are computed only for the rows that need them:
 each sampling sequence's last position, plus every position of a chunk whose prompt logprobs
-were asked for. Step inputs go through preallocated buffers (pinned host staging on CUDA), and
-the step's results come back to the host in one synchronisation.
+were asked for. Step inputs go through preallocated buffers (pinned host staging on CUDA).
+`launch` queues a step and the copy of its results to the host; `collect` waits for that step
+alone (an event, not a stream sync), so that another step may be launched in between.
 """
 
 from __future__ import annotations
@@ -115,10 +116,6 @@ class ModelRunner:
         self.inputs = InputBuffers(self.device, config.max_num_batched_tokens, config.max_num_seqs,
                                    -(-self.max_model_len // self.block_size))
         self.sampler = Sampler(make_ops(config.mode).log_softmax, self.device)
-
-    def run(self, batch: Batch) -> StepResult:
-        """Run one batch and wait for its results (no step in flight before it)."""
-        return self.collect(self.launch(batch, None))
 
     @torch.inference_mode()
     def launch(self, batch: Batch, previous: Launch | None) -> Launch:
