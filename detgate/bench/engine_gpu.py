@@ -355,7 +355,11 @@ def _cost_row(stats: wl.RunStats) -> dict:
     return {**stats.__dict__, "tokens_per_s": stats.generated_tokens / stats.seconds,
             "decode_step_ms": 1e3 * stats.decode_only_seconds / max(stats.decode_only_steps, 1),
             "mixed_steps": mixed_steps,
-            "mixed_step_ms": 1e3 * stats.mixed_seconds / max(mixed_steps, 1)}
+            "mixed_step_ms": 1e3 * stats.mixed_seconds / max(mixed_steps, 1),
+            # Per step, the time not spent waiting for the GPU's results: host work, which the
+            # GPU waits for unless asynchronous scheduling launched the next step ahead.
+            "not_waiting_ms_per_step": 1e3 * (stats.decode_only_seconds + stats.mixed_seconds
+                                              - stats.wait_seconds) / max(stats.steps, 1)}
 
 
 @torch.inference_mode()

@@ -59,6 +59,11 @@ def summary_table(result: dict) -> str:
     row("cost: decode-only steps (share of engine time)", lambda m: "{} of {} ({:.0%})".format(
         passes[0][m]["decode_only_steps"], passes[0][m]["steps"],
         passes[0][m]["decode_only_seconds"] / passes[0][m]["seconds"]))
+    row("cost: host ms per step not waiting for the GPU (pass 1)",
+        lambda m: f"{passes[0][m]['not_waiting_ms_per_step']:.2f}")
+    overlapped = result.get("cost_async", {}).get("passes", [])
+    row("cost with asynchronous scheduling: wall s (pass 1)",
+        lambda m: f"{overlapped[0][m]['seconds']:.2f}")
     eager = result.get("cost_eager", {}).get("passes", [])
     row("cost without CUDA graphs: wall s", lambda m: f"{eager[0][m]['seconds']:.2f}")
     row("score == sampled logprobs (bitwise positions)",
@@ -79,6 +84,9 @@ def summary_table(result: dict) -> str:
     if step.get("ratio_vs_reference"):
         lines.append(f"... / {REFERENCE}: " + ", ".join(
             f"B={b}: {r:.3f}" for b, r in step["ratio_vs_reference"].items()))
+    if overlapped:
+        lines.append("with asynchronous scheduling: "
+                     f"{result['cost_async']['ratio_mean']:.3f}")
     if eager:
         lines.append(f"without CUDA graphs: {result['cost_eager']['ratio_mean']:.3f}")
     return "\n".join(lines)

@@ -42,6 +42,10 @@ class StepStats:
     num_generated: int
     num_preempted: int
     seconds: float
+    # Of `seconds`, the time the host blocked on the device for the step's results (CUDA; on
+    # the CPU the work is done inside the launch): the rest is host work the GPU waited for,
+    # unless a step launched ahead (asynchronous scheduling) kept it busy.
+    wait_seconds: float = 0.0
 
 
 @dataclass
@@ -153,7 +157,7 @@ class Engine:
     def _stats(self, batch: Batch, result: StepResult, seconds: float) -> StepStats:
         return StepStats(num_seqs=len(batch), num_tokens=batch.num_tokens,
                          num_generated=len(result.sampled), num_preempted=batch.num_preempted,
-                         seconds=seconds)
+                         seconds=seconds, wait_seconds=result.wait_seconds)
 
 
 class AsyncEngine:

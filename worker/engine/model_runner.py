@@ -11,6 +11,7 @@ alone (an event, not a stream sync), so that another step may be launched in bet
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +30,7 @@ from worker.model.ops import make_ops
 class StepResult:
     sampled: list[TokenLogprob]  # one per sampling entry, in batch order
     prompt_logprobs: list[tuple[Sequence, list[TokenLogprob]]]  # new prompt logprobs per sequence
+    wait_seconds: float = 0.0  # the host blocked on the device for the results (CUDA)
 
 
 class InputBuffers:
@@ -143,12 +145,18 @@ class ModelRunner:
 
     def collect(self, launch: Launch) -> StepResult:
         """Wait for a launched step's results and unpack them."""
-        host = [h.tolist() for h in launch.results.wait()]
+        start = time.perf_counter()
+        tensors = launch.results.wait()
+        waited = time.perf_counter() - start
+        host = [h.tolist() for h in tensors]
         if not host:
-            return StepResult([], [])
-        if launch.rows.num_top < 0:
-            return StepResult([TokenLogprob(t) for t in host[0]], [])
-        return self._unpack(launch.sample_seqs, launch.rows, host)
+            result = StepResult([], [])
+        elif launch.rows.num_top < 0:
+            result = StepResult([TokenLogprob(t) for t in host[0]], [])
+        else:
+            result = self._unpack(launch.sample_seqs, launch.rows, host)
+        result.wait_seconds = waited
+        return result
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:

@@ -48,6 +48,7 @@ class RunStats:
     mean_batch_size: float
     max_batch_size: int
     mixed_seconds: float = 0.0  # engine time in the other steps (prefill chunks among them)
+    wait_seconds: float = 0.0  # of the engine time, waiting for the device's results (CUDA)
 
 
 def random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]:
@@ -90,7 +91,7 @@ def run(engine: Engine, reqs: list[Request], arrival_seed: int | None
     queue = collections.deque(reqs)
     out = {r.request_id: Completion() for r in reqs}
     steps = decode_only = seqs_total = max_seqs = generated = 0
-    decode_seconds = mixed_seconds = 0.0
+    decode_seconds = mixed_seconds = wait_seconds = 0.0
     start = time.perf_counter()
     while queue or engine.has_work():
         joining = len(queue) if arrival_seed is None else rng.choice(ARRIVALS)
@@ -106,6 +107,7 @@ def run(engine: Engine, reqs: list[Request], arrival_seed: int | None
             decode_seconds += stats.seconds
         else:
             mixed_seconds += stats.seconds
+        wait_seconds += stats.wait_seconds
         seqs_total += stats.num_seqs
         max_seqs = max(max_seqs, stats.num_seqs)
         generated += stats.num_generated
@@ -119,7 +121,7 @@ def run(engine: Engine, reqs: list[Request], arrival_seed: int | None
     seconds = time.perf_counter() - start
     prompt_tokens = sum(len(r.token_ids) for r in reqs)
     return out, RunStats(seconds, steps, generated, prompt_tokens, decode_only, decode_seconds,
-                         seqs_total / max(steps, 1), max_seqs, mixed_seconds)
+                         seqs_total / max(steps, 1), max_seqs, mixed_seconds, wait_seconds)
 
 
 def determinism_measures(completions: list[Completion]) -> dict:
