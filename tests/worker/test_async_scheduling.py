@@ -19,6 +19,7 @@ from tests.support.controls import SplitKOps, use_ops
 from worker.engine import offline as wl
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
+from worker.engine.sequence import PENDING
 from worker.model.loader import load
 
 _loaded: dict = {}
@@ -110,3 +111,25 @@ def test_abort_while_its_step_is_in_flight(tiny_model):
     assert {o.request_id for o in outputs} == {"kept"}
     assert sum(len(o.new_tokens) for o in outputs) == 7 and outputs[-1].finished
     assert eng.block_manager.num_free_blocks == 32
+
+
+def test_generated_blocks_reach_the_prefix_cache(tiny_model):
+    """Blocks filled by generated tokens are published once their ids are known (a step in
+    flight leaves one or two PENDING): a follow-up request holding the conversation so far is
+    served from the cache as far as without asynchronous scheduling."""
+    loaded = loaded_model(tiny_model, control=False)
+    cached = {}
+    for overlap in (False, True):
+        eng = Engine(EngineConfig(model=str(tiny_model), mode="batch_invariant",
+                                  num_kv_blocks=64, async_scheduling=overlap),
+                     loaded.model, loaded.config)
+        prompt = list(range(100, 120))
+        first, _ = wl.run(eng, [wl.Request("a", prompt, wl.greedy(60))], arrival_seed=None)
+        assert all(PENDING not in b.token_ids for b in eng.block_manager.blocks)
+        follow_up = prompt + first["a"].token_ids + [7]
+        eng.add("b", follow_up, wl.greedy(1))
+        outputs = []
+        while eng.has_work():
+            outputs += eng.step()[0]
+        cached[overlap] = outputs[0].num_cached_tokens
+    assert cached[True] == cached[False] == 64  # blocks 0-3 of the 81 tokens

@@ -10,7 +10,9 @@ cache). In batch-invariant mode none of this changes any token's numbers.
 A step's bookkeeping comes in two halves, so that the next step can be scheduled while this one
 runs on the GPU (asynchronous scheduling): `advance` right after the step is launched (tokens
 computed, blocks published, a PENDING slot for each token being sampled), `resolve` once its
-sampled ids are on the host (PENDING replaced, stops checked). Between the two a sequence
+sampled ids are on the host (PENDING replaced, stops checked). `advance` of step n + 1 comes
+before `resolve` of step n, so a sequence may hold two PENDING slots, and a block is published
+only once its token ids are all known. Between the two a sequence
 with nothing left to compute (its next token is the one in flight, or its last token is) is
 not scheduled; a sequence that stops on the token in flight was already scheduled once more,
 and that step's result for it is dropped. Blocks freed while a step is in flight are safe to
@@ -154,6 +156,7 @@ class Scheduler:
             # step launched after this one may have added a PENDING of its own behind it.
             if len(seq.token_ids) > entry.end:
                 seq.token_ids[entry.end] = token_id
+                self.block_manager.register_computed(seq)  # a block that waited for it
             else:
                 seq.token_ids.append(token_id)
             reason = stop_reason(seq, token_id, entry.end + 1 - seq.num_prompt_tokens)

@@ -84,6 +84,15 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def num_known_tokens(self) -> int:
+        """Leading tokens whose ids the host knows: all but the PENDING ones, which are the
+        last one or two (a step in flight samples each, asynchronous scheduling)."""
+        n = len(self.token_ids)
+        while n and self.token_ids[n - 1] == PENDING:
+            n -= 1
+        return n
+
+    @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
