@@ -10,13 +10,17 @@ cache). In batch-invariant mode none of this changes any token's numbers.
 A step's bookkeeping comes in two halves, so that the next step can be scheduled while this one
 runs on the GPU (asynchronous scheduling): `advance` right after the step is launched (tokens
 computed, blocks published, a PENDING slot for each token being sampled), `resolve` once its
-sampled ids are on the host (PENDING replaced, stops checked). `advance` of step n + 1 comes
-before `resolve` of step n, so a sequence may hold two PENDING slots, and a block is published
-only once its token ids are all known. Between the two a sequence
-with nothing left to compute (its next token is the one in flight, or its last token is) is
-not scheduled; a sequence that stops on the token in flight was already scheduled once more,
-and that step's result for it is dropped. Blocks freed while a step is in flight are safe to
-hand out: every later write to them is a later launch on the same stream.
+sampled ids are on the host (PENDING replaced, stops checked). With asynchronous scheduling
+`advance` of step n + 1 comes before `resolve` of step n, so:
+- a sequence may hold two PENDING slots, and a block is published only once its token ids are
+  all known (`resolve` publishes what waited);
+- a sequence with nothing left to compute (its next token, or its last, is in flight) is not
+  scheduled;
+- a sequence that stops on the token in flight was already scheduled once more; that step's
+  result for it is dropped;
+- blocks freed while a step is in flight are safe to hand out: every later write to them is a
+  later launch on the same stream.
+Batch invariance makes the extra or delayed rows invisible in every other row's numbers.
 """
 
 from __future__ import annotations
