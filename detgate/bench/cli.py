@@ -23,7 +23,10 @@ def _register_engine(bench_sub) -> None:
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
     p.add_argument("--repeats", type=int, default=4, help="runs of each mode, interleaved")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    p.set_defaults(func=_runs("engine"))
+    p.add_argument("--host", action="store_true",
+                   help="the engine's host work per step, model arithmetic left out "
+                        "(detgate/bench/engine_host.py)")
+    p.set_defaults(func=lambda args: _runs("engine_host" if args.host else "engine")(args))
 
 
 def _register_model(bench_sub) -> None:
