@@ -23,7 +23,7 @@ from worker.engine.sequence import Sequence
 _NO_HASH = None
 
 
-@dataclass
+@dataclass(slots=True)
 class Block:
     block_id: int
     ref_count: int = 0
@@ -106,6 +106,8 @@ class BlockManager:
         """Publish the full blocks of `seq` whose K/V are computed (by a step launched, which
         every later reader follows on the stream) and whose token ids are known (a block
         holding a PENDING token waits for it: the scheduler registers again then)."""
+        if seq.num_computed_tokens // self.block_size <= seq.num_registered_blocks:
+            return  # no block filled since (most decode steps)
         if not self.enable_prefix_cache or seq.params.single_pass:
             return
         num_full = min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size

@@ -22,7 +22,7 @@ from worker.errors import EngineDead, InvalidRequest
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """What one step produced for one request."""
 

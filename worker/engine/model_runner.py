@@ -241,7 +241,7 @@ class ModelRunner:
         rank = host[4] if rows.with_rank else None
 
         def entry(r: int, token_id: int, k: int, with_rank: bool) -> TokenLogprob:
-            top = list(zip(top_ids[r][:k], top_values[r][:k], strict=True))
+            top = list(zip(top_ids[r][:k], top_values[r][:k], strict=True)) if k else []
             return TokenLogprob(token_id, chosen[r], top, rank[r] if with_rank else None)
 
         sampled = []

@@ -32,27 +32,23 @@ from worker.engine.block_manager import BlockManager
 from worker.engine.sequence import PENDING, Sequence, SequenceStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
-    """`num_tokens` tokens of `seq` starting at position `start` run in this step."""
+    """`num_tokens` tokens of `seq` starting at position `start` run in this step. Every
+    field is fixed at scheduling time (a step's bookkeeping reads them once per sequence)."""
 
     seq: Sequence
     start: int
     num_tokens: int
-    # The chunk reaches the sequence's last token, whose logits give the next token (fixed at
-    # scheduling time: postprocess appends that token).
+    end: int = field(init=False)
+    # The chunk reaches the sequence's last token, whose logits give the next token.
     completes_prefill: bool = field(init=False)
+    samples: bool = field(init=False)  # it also draws that token (max_tokens > 0)
 
     def __post_init__(self) -> None:
-        self.completes_prefill = self.end == len(self.seq)
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
-
-    @property
-    def samples(self) -> bool:
-        return self.completes_prefill and self.seq.params.max_tokens > 0
+        self.end = self.start + self.num_tokens
+        self.completes_prefill = self.end == len(self.seq.token_ids)
+        self.samples = self.completes_prefill and self.seq.params.max_tokens > 0
 
 
 @dataclass

@@ -39,7 +39,7 @@ class SequenceStatus(Enum):
     FINISHED = auto()
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenLogprob:
     """One token with its logprob (None when not asked for), top alternatives, and rank."""
 
@@ -49,7 +49,7 @@ class TokenLogprob:
     rank: int | None = None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Sequence:
     request_id: str
     token_ids: list[int]
