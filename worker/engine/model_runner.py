@@ -292,8 +292,7 @@ class _Results:
         if not tensors or tensors[0].device.type == "cpu":
             self.host = tensors
             return
-        self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                     .copy_(t, non_blocking=True) for t in tensors]
+        self.host = [_pinned_copy(t) for t in tensors]
         self.event = torch.cuda.Event()
         self.event.record()
 
@@ -301,3 +300,11 @@ class _Results:
         if self.event is not None:
             self.event.synchronize()
         return self.host
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    """`t` copied to the host behind the work queued so far (an empty one needs no copy: the
+    top-k of a step that asks for no alternatives)."""
+    if not t.numel():
+        return torch.empty(t.shape, dtype=t.dtype)
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
