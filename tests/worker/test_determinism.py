@@ -12,6 +12,7 @@ import asyncio
 import random
 
 import httpx
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -203,3 +204,38 @@ def test_seeded_sampling_repeats_alone_and_in_a_batch(module_worker):
     assert other_seed != first  # it really samples
     greedy = asyncio.run(alone(url, NEEDLES[:2], max_tokens=10))
     assert greedy != first
+
+
+def test_streams_with_stops_are_the_same_with_async_scheduling(module_worker):
+    """Streamed choices (n=3, seeded sampling) that end on stop strings, which the server
+    aborts mid-stream while a step is in flight when steps are scheduled asynchronously: the
+    same events as on the waiting engine, among concurrent traffic. (That the comparison of the
+    two schedulings can fail is shown in the engine, where the split-K control finds the
+    difference: tests/worker/test_async_scheduling.py.)"""
+    reference = module_worker("batch_invariant").url
+    url = module_worker("batch_invariant", "--async-scheduling").url
+    same_numbers(url, reference)
+
+    async def streamed(base: str) -> list:
+        client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused")
+        texts = {}
+        async with httpx.AsyncClient(timeout=600) as traffic_client:
+            traffic = [complete(traffic_client, base, p, n) for p, n in fillers(12, seed=9)]
+            stream = client.completions.create(
+                model=MODEL, prompt=NEEDLES[2], max_tokens=40, n=3, temperature=1.0, seed=11,
+                stop=["a", "e"], stream=True, logprobs=0)
+            chunks, *_ = await asyncio.gather(_collect(await stream), *traffic)
+        for chunk in chunks:
+            for c in chunk.choices:
+                lps = bits(c.logprobs.token_logprobs if c.logprobs else [])
+                texts.setdefault(c.index, []).append((c.text, c.finish_reason, lps))
+        await client.close()
+        return [texts[i] for i in sorted(texts)]
+
+    overlapped, waiting = asyncio.run(streamed(url)), asyncio.run(streamed(reference))
+    assert overlapped == waiting
+    assert {events[-1][1] for events in waiting} == {"stop"}  # every choice hit a stop string
+
+
+async def _collect(stream) -> list:
+    return [chunk async for chunk in stream]
