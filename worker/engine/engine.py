@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
 from worker.engine.model_runner import Launch, ModelRunner, StepResult
-from worker.engine.scheduler import Batch, Resolved, Scheduler
+from worker.engine.scheduler import Batch, ScheduledSeq, Scheduler
 from worker.engine.sequence import SamplingParams, Sequence, TokenLogprob
 from worker.errors import EngineDead, InvalidRequest
 
@@ -124,7 +124,7 @@ class Engine:
         for seq, logprobs in result.prompt_logprobs:
             seq.prompt_logprobs.extend(logprobs)
         resolved = self.scheduler.resolve(current.batch, [t.token_id for t in result.sampled])
-        outputs = self._outputs(resolved, result)
+        outputs = self._outputs(current.batch, resolved, result)
         return outputs, self._stats(current.batch, result, time.perf_counter() - start)
 
     def _launch(self, batch: Batch, previous: Launch | None) -> _InFlight:
@@ -132,15 +132,17 @@ class Engine:
         self.scheduler.advance(batch)
         return _InFlight(batch, launch)
 
-    def _outputs(self, resolved: list[Resolved], result: StepResult) -> list[RequestOutput]:
+    def _outputs(self, batch: Batch, resolved: list[ScheduledSeq],
+                 result: StepResult) -> list[RequestOutput]:
+        tokens = dict(zip((e.seq for e in batch.entries if e.samples), result.sampled,
+                          strict=True))
         outputs = []
-        for entry, sample in resolved:
+        for entry in resolved:
             seq = entry.seq
             # The prompt's logprobs go out with the first token (or alone when nothing is
             # generated): the step that computed the prompt's last token.
             first = entry.end == seq.num_prompt_tokens
-            new_tokens = [] if sample is None else [result.sampled[sample]]
-            outputs.append(self._output(seq, new_tokens, first))
+            outputs.append(self._output(seq, [tokens[seq]] if entry.samples else [], first))
             if seq.is_finished:
                 del self._seqs[seq.request_id]
         return outputs

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from worker.engine.block_manager import BlockManager
 from worker.engine.sequence import PENDING, Sequence, SequenceStatus
@@ -50,13 +49,6 @@ class ScheduledSeq:
         self.end = self.start + self.num_tokens
         self.completes_prefill = self.end == len(self.seq.token_ids)
         self.samples = self.completes_prefill and self.seq.params.max_tokens > 0
-
-
-class Resolved(NamedTuple):
-    """An entry whose step produced an output, and the index of its sampled id (or None)."""
-
-    entry: ScheduledSeq
-    sample: int | None
 
 
 @dataclass
@@ -128,7 +120,7 @@ class Scheduler:
         self.num_preemptions += preempted
         return Batch(entries, preempted)
 
-    def postprocess(self, batch: Batch, sampled_token_ids: list[int]) -> list[Resolved]:
+    def postprocess(self, batch: Batch, sampled_token_ids: list[int]) -> list[ScheduledSeq]:
         """`advance` then `resolve`: a step's whole bookkeeping once its results are in."""
         self.advance(batch)
         return self.resolve(batch, sampled_token_ids)
@@ -145,23 +137,21 @@ class Scheduler:
             if entry.samples and seq.num_completion_tokens + 1 < seq.params.max_tokens:
                 seq.token_ids.append(PENDING)
 
-    def resolve(self, batch: Batch, sampled_token_ids: list[int]) -> list[Resolved]:
+    def resolve(self, batch: Batch, sampled_token_ids: list[int]) -> list[ScheduledSeq]:
         """A step's sampled ids (one per sampling entry) are in: put them in place and check
-        stops. Returns the entries that produced an output (a finished prefill), each with the
-        index of its sampled id (None: nothing sampled), leaving out sequences aborted or
-        stopped since the step was launched."""
+        stops. Returns the entries that produced an output (a finished prefill), leaving out
+        sequences aborted or stopped since the step was launched."""
+        sampled = iter(sampled_token_ids)
         resolved = []
-        sample = -1
         for entry in batch.entries:
-            sample += entry.samples
+            token_id = next(sampled) if entry.samples else None
             seq = entry.seq
             if seq.is_finished or not entry.completes_prefill:
                 continue
-            resolved.append(Resolved(entry, sample if entry.samples else None))
-            if not entry.samples:
+            resolved.append(entry)
+            if token_id is None:
                 self.finish(seq, "length")
                 continue
-            token_id = sampled_token_ids[sample]
             # The token's slot: PENDING unless it was this sequence's last (`advance`); the
             # step launched after this one may have added a PENDING of its own behind it.
             if len(seq.token_ids) > entry.end:
