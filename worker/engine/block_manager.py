@@ -106,13 +106,10 @@ class BlockManager:
         """Publish the full blocks of `seq` whose K/V are computed (by a step launched, which
         every later reader follows on the stream) and whose token ids are known (a block
         holding a PENDING token waits for it: the scheduler registers again then)."""
-        if seq.num_computed_tokens // self.block_size <= seq.num_registered_blocks:
-            return  # no block filled since (most decode steps)
-        if not self.enable_prefix_cache or seq.params.single_pass:
+        if (seq.num_computed_tokens // self.block_size <= seq.num_registered_blocks  # most steps
+                or not self.enable_prefix_cache or seq.params.single_pass):
             return
         num_full = min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size
-        if num_full <= seq.num_registered_blocks:
-            return
         hashes = self._hashes(seq, num_full)
         for i in range(seq.num_registered_blocks, num_full):
             block = self.blocks[seq.block_table[i]]
