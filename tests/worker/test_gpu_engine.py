@@ -112,11 +112,11 @@ def test_async_scheduling_equals_sync(tiny_model):
     CPU, with its negative control)."""
     reqs = async_traffic(_vocab(tiny_model))
     overlapped_engine = engine(tiny_model, "batch_invariant", "bfloat16", kv_cache_mb=None,
-                               num_kv_blocks=24, max_num_seqs=24, max_num_batched_tokens=64,
+                               num_kv_blocks=16, max_num_seqs=24, max_num_batched_tokens=64,
                                async_scheduling=True)
     overlapped, stats = wl.run(overlapped_engine, reqs, arrival_seed=13)
     sync_engine = engine(tiny_model, "batch_invariant", "bfloat16", kv_cache_mb=None,
-                         num_kv_blocks=24, max_num_seqs=24, max_num_batched_tokens=64,
+                         num_kv_blocks=16, max_num_seqs=24, max_num_batched_tokens=64,
                          async_scheduling=False)
     sync, sync_stats = wl.run(sync_engine, reqs, arrival_seed=13)
     assert results(overlapped) == results(sync)

@@ -34,7 +34,16 @@ class StepResult:
 
 
 class InputBuffers:
-    """Step inputs, preallocated at their largest size and sliced per step."""
+    """Step inputs, preallocated at their largest size and sliced per step.
+
+    On CUDA each input is staged in pinned host memory and copied to one device buffer behind
+    the work already queued (stream order keeps a step from overwriting inputs the step before
+    it still reads). The host staging alternates between two sets, one per step in flight: with
+    asynchronous scheduling step n + 1 is prepared while step n runs, and step n's late inputs
+    (logits rows, sampling rows) are copied only once its forward is done, so reusing one set
+    would make every launch wait for the step before it."""
+
+    STAGES = 2  # steps whose staging may be in use: the one running and the one being launched
 
     def __init__(self, device: torch.device, max_tokens: int, max_seqs: int, max_blocks: int):
         self.device = device
@@ -43,29 +52,38 @@ class InputBuffers:
                  "query_start_loc": max_seqs + 1, "seq_lens": max_seqs,
                  "pending_index": max_seqs, "pending_rows": max_seqs,
                  "block_tables": max_seqs * max_blocks}
-        pin = device.type == "cuda"
-        self.host: dict[str, torch.Tensor] = {}
-        # The last host-to-device copy out of each staging buffer: the next step must not
-        # overwrite a buffer whose copy the GPU has not yet made (steps that sample end in a
-        # sync, but a prefill chunk that neither samples nor scores does not).
-        self.copied: dict[str, torch.cuda.Event] = {}
-        self.dev: dict[str, torch.Tensor] = {}
+        self.pinned = device.type == "cuda"
         int32 = ("query_start_loc", "seq_lens", "block_tables")
-        for name, size in sizes.items():
-            dtype = torch.int32 if name in int32 else torch.int64
-            host = self.host[name] = torch.zeros(size, dtype=dtype, pin_memory=pin)
-            self.dev[name] = torch.zeros(size, dtype=dtype, device=device) if pin else host
+        dtypes = {name: torch.int32 if name in int32 else torch.int64 for name in sizes}
+        stages = self.STAGES if self.pinned else 1
+        self.host: list[dict[str, torch.Tensor]] = [
+            {name: torch.zeros(size, dtype=dtypes[name], pin_memory=self.pinned)
+             for name, size in sizes.items()} for _ in range(stages)]
+        self.dev: dict[str, torch.Tensor] = (
+            {name: torch.zeros(size, dtype=dtypes[name], device=device)
+             for name, size in sizes.items()} if self.pinned else self.host[0])
+        # Per stage and input, the last copy out of that staging buffer: a stage comes round
+        # again two launches later, by when its step has normally been collected; a prefill
+        # chunk that neither samples nor scores is never waited for, so the event guards it.
+        self.copied: list[dict[str, torch.cuda.Event]] = [{} for _ in range(stages)]
+        self.stage = 0
+
+    def next_step(self) -> None:
+        """Called once per launch, before its first `put`."""
+        self.stage = (self.stage + 1) % len(self.host)
 
     def put(self, name: str, values: np.ndarray) -> torch.Tensor:
         n = values.size
-        host = self.host[name][:n]
-        if name in self.copied:
-            self.copied[name].synchronize()
+        host = self.host[self.stage][name][:n]
+        copied = self.copied[self.stage]
+        if name in copied:
+            copied[name].synchronize()
         host.numpy()[:] = values.reshape(-1)
+        if not self.pinned:
+            return host.view(values.shape)
         dev = self.dev[name][:n]
-        if self.dev[name] is not self.host[name]:
-            dev.copy_(host, non_blocking=True)
-            self.copied.setdefault(name, torch.cuda.Event()).record()
+        dev.copy_(host, non_blocking=True)
+        copied.setdefault(name, torch.cuda.Event()).record()
         return dev.view(values.shape)
 
 
@@ -124,6 +142,7 @@ class ModelRunner:
         """Queue a step's GPU work and the copy of its results to the host, without waiting.
         `previous`: the step still in flight, whose sampled ids are this step's PENDING
         input tokens (read on the device)."""
+        self.inputs.next_step()
         input_ids, positions, meta = self._prepare_inputs(batch, previous)
         rows = self._plan_rows(batch)
         hidden = self._forward(input_ids, positions, meta)  # [T, H]
