@@ -21,6 +21,7 @@ _CUDA_MODULES = {
     "rms_norm": "kernels.rmsnorm_triton",
     "add_rms_norm": "kernels.rmsnorm_triton",
     "log_softmax": "kernels.log_softmax_triton",
+    "silu_and_mul": "kernels.activation_triton",
 }
 
 
@@ -55,15 +56,10 @@ def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2I] = (gate | up) -> silu(gate) * up [..., I], the same bits for an element
-    wherever it sits. On CUDA torch applies one device function to every element, so plain
-    torch is that already; on the CPU torch's vectorised body and scalar tail compute exp
-    differently, so the CPU path is ours."""
-    if x.device.type == "cpu":
-        return import_module("kernels.cpu").silu_and_mul(x)
-    import torch.nn.functional as F
-
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    wherever it sits (pointwise, one exp and one division per element). CUDA: one Triton
+    launch, bit for bit torch's F.silu(gate) * up; CPU: ours, since torch's vectorised body and
+    scalar tail compute exp differently."""
+    return _impl("silu_and_mul", x)(x)
 
 
 def set_batch_invariant_mode(enabled: bool = True):

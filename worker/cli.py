@@ -26,9 +26,10 @@ def add_engine_args(p: argparse.ArgumentParser, model: str = "tiny") -> None:
     p.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: no CUDA graphs for decode steps")
-    p.add_argument("--async-scheduling", action="store_true", default=None,
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch each step before the previous step's results are "
-                        "on the host (hides the host's work behind the GPU's)")
+                        "on the host, hiding the host's work behind the GPU's (default: on for "
+                        "CUDA, off on the CPU)")
 
 
 def register(sub) -> None:

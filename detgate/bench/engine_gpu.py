@@ -24,6 +24,7 @@ the next one still runs. Writes OUT_DIR/engine-gpu.json after every phase; print
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -232,6 +233,30 @@ class Experiment:
             vocab_size=self.vocab_size, seed=a.seed + 3 if seed is None else seed)
 
     def cost(self) -> dict:
+        """The cost workload, each step waiting for the one before (no asynchronous
+        scheduling), both modes in alternating order."""
+        with self.async_scheduling(False):
+            return self._cost()
+
+    def cost_async(self) -> dict:
+        """The cost workload with asynchronous scheduling (each step launched before the
+        previous step's results are on the host, the default on CUDA): what it buys over
+        `cost`."""
+        with self.async_scheduling(True):
+            return self._cost()
+
+    @contextlib.contextmanager
+    def async_scheduling(self, on: bool):
+        engines = [*self.engines.values(), *([self.reference] if self.reference else [])]
+        try:
+            for engine in engines:
+                engine.async_scheduling = on
+            yield
+        finally:
+            for engine in engines:
+                engine.async_scheduling = engine.config.overlaps_steps
+
+    def _cost(self) -> dict:
         a = self.args
         reqs = self.cost_requests()
         passes = []
@@ -262,18 +287,6 @@ class Experiment:
         """The cost workload with decode-only steps in graphs, mixed steps eager (as before
         mixed-step graphs): what those buy."""
         return self._cost_without(decode=False)
-
-    def cost_async(self) -> dict:
-        """The cost workload with asynchronous scheduling (each step launched before the
-        previous step's results are on the host): what it buys over `cost`."""
-        engines = [*self.engines.values(), *([self.reference] if self.reference else [])]
-        try:
-            for engine in engines:
-                engine.async_scheduling = True
-            return self.cost()
-        finally:
-            for engine in engines:
-                engine.async_scheduling = engine.config.async_scheduling
 
     def _cost_without(self, decode: bool) -> dict:
         engines = [*self.engines.values(), *([self.reference] if self.reference else [])]

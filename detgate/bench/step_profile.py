@@ -4,8 +4,9 @@ the eager step's kernels summed by kind (matmul, attention, norm, other) under t
 
     PYTHONPATH=. python -m detgate.bench.step_profile --out OUT_DIR [--model qwen3-8b-shape]
 
-Step shapes (the cost workload's): decode = 256 sequences of 256 tokens; mixed = 250 decodes
-(context 200) + 6 prompts of 128 tokens prefilled at once (1018 tokens). K/V are written into
+Step shapes: decode_1 / decode_64 / decode_256 = that many sequences of 256 tokens (the decode
+step goals and the cost workload's batch); mixed_1018 = 250 decodes (context 200) + 6 prompts of
+128 tokens prefilled at once (1018 tokens). K/V are written into
 the padding block only; keys are read from blocks of their own. Writes OUT_DIR/step-profile.json.
 """
 
@@ -29,7 +30,12 @@ from worker.tools.random_model import load_random
 KINDS = (("attention", ("attn", "combine", "store_kv")),
          ("matmul", ("matmul", "gemm", "nvjet", "cutlass", "sm90", "cublas", "splitk")),
          ("norm", ("rms_norm", "row_sum")),
+         ("fused_pointwise", ("qkv_kernel", "silu_and_mul", "rotary")),
          ("log_softmax", ("log_softmax", "softmax")))
+
+
+STEPS = {"decode_1": (1, 256, 0, 0), "decode_64": (64, 256, 0, 0),
+         "decode_256": (256, 256, 0, 0), "mixed_1018": (250, 200, 6, 128)}
 
 
 def kind(name: str) -> str:
@@ -77,7 +83,7 @@ def profile_mode(mode: str, model: str, out: Path) -> dict:
                                  kv_cache_mb=16 * 1024), loaded.model, loaded.config)
     runner = engine.runner
     info = {}
-    for name, shape in (("decode_256", (256, 256, 0, 0)), ("mixed_1018", (250, 200, 6, 128))):
+    for name, shape in STEPS.items():
         info[name] = measure(runner, *step_inputs(runner, *shape))
         row = info[name]
         print(mode, name, {k: v for k, v in row.items() if k != "top_kernels"}, flush=True)
@@ -109,6 +115,7 @@ def measure(runner, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadat
         top.append((us / 1e3, e.count, e.key[:90]))
     row["kernel_ms_by_kind"] = {k: round(v, 3) for k, v in sorted(by_kind.items())}
     row["kernel_ms_total"] = round(sum(by_kind.values()), 3)
+    row["launches"] = sum(n for _, n, _ in top)
     row["top_kernels"] = [[round(ms, 3), n, k] for ms, n, k in sorted(top, reverse=True)[:12]]
     return row
 

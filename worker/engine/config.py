@@ -33,10 +33,9 @@ class EngineConfig:
     # batch_invariant on the CPU: check the kernels' invariance on the model's shapes first.
     self_check: bool = True
     # Schedule and launch step n + 1 before waiting for step n's results, so that on CUDA the
-    # host's work hides behind the GPU's (on the CPU nothing overlaps; the bookkeeping is the
-    # same). Off by default until it is measured on a GPU (detgate/bench/engine_gpu.py's
-    # cost_async phase).
-    async_scheduling: bool = False
+    # host's work hides behind the GPU's. None = on for CUDA, off on the CPU (where nothing
+    # overlaps: each launch computes at once; the bookkeeping is the same either way).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -50,6 +49,13 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive")
+
+    @property
+    def overlaps_steps(self) -> bool:
+        """Whether steps are scheduled asynchronously (`async_scheduling` resolved)."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self.device.startswith("cuda")
 
     @property
     def prefill_chunk(self) -> int:

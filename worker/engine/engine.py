@@ -66,7 +66,7 @@ class Engine:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    prefill_chunk=config.prefill_chunk)
         self._seqs: dict[str, Sequence] = {}
-        self.async_scheduling = config.async_scheduling
+        self.async_scheduling = config.overlaps_steps
         self._in_flight: _InFlight | None = None  # launched, its results not yet collected
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:

@@ -17,8 +17,10 @@ Default mode, by device:
   kernels do (one program per row): our Triton kernel, since torch's F.rms_norm fuses no
   residual add and the two kernels then cost the same in both modes; the same paged attention
   kernel as batch_invariant (kernels.attention: K/V stored, then read through the block
-  table, no gather), so default-mode steps are captured in the same CUDA graphs;
-  F.log_softmax.
+  table, no gather), so default-mode steps are captured in the same CUDA graphs; the same
+  fused launches as batch_invariant for what is pointwise or per head (q/k norm + rotary +
+  K/V store, kernels/qkv_triton.py; silu-and-mul, kernels/activation_triton.py), as vLLM
+  fuses them; F.log_softmax.
 - CPU: plain torch as before (MKL matmuls, torch's RMSNorm math, SDPA over the gathered
   cache): the CPU tests' negative controls rely on it differing between batch compositions.
 """
@@ -63,26 +65,29 @@ class DefaultOps:
         residual = x + residual
         return self.rms_norm(residual, weight, eps), residual
 
-    def attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        # q: [T, Hq, D]; k, v: [T, Hkv, D]
-        if q.is_cuda:
-            return _paged(q, k, v, kv_cache, meta, scale)
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+                 meta: AttentionMetadata) -> None:
+        # k, v: [T, Hkv, D], written before attention reads the cache
         k_cache, v_cache = kv_cache
-        _store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if k.is_cuda:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            _store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def attention(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+                  scale: float) -> torch.Tensor:
+        # q: [T, Hq, D] -> [T, Hq, D]
+        if q.is_cuda:
+            return _paged(q, kv_cache, meta, scale)
+        k_cache, v_cache = kv_cache
         return _padded_sdpa(q, k_cache, v_cache, meta, scale)
 
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         return F.log_softmax(logits.float(), dim=-1)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if gate_up.is_cuda:  # one launch, the bits of the two-kernel torch code
+            return kernels.silu_and_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -107,16 +112,13 @@ class BatchInvariantOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return kernels.add_rms_norm(x, residual, weight, eps)
 
-    def attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        return _paged(q, k, v, kv_cache, meta, scale)
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+                 meta: AttentionMetadata) -> None:
+        store_kv(k, v, *kv_cache, meta.slot_mapping)
+
+    def attention(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+                  scale: float) -> torch.Tensor:
+        return _paged(q, kv_cache, meta, scale)
 
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         return kernels.log_softmax(logits, dim=-1)
@@ -136,13 +138,13 @@ def make_ops(mode: str) -> Ops:
     raise ValueError(f"unknown numeric mode {mode!r}; expected one of {MODES}")
 
 
-def _paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-           meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Paged attention (kernels.attention). K/V go into the cache BEFORE attention, so fresh
-    and cached keys are read and reduced the same way: a prompt gives the same bits whether
-    prefilled at once, in chunks, or found in the prefix cache."""
+def _paged(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+           scale: float) -> torch.Tensor:
+    """Paged attention (kernels.attention) over the cache, this step's K/V already stored in it
+    (`store_kv` or the layer's fused store): fresh and cached keys are read and reduced the
+    same way, so a prompt gives the same bits whether prefilled at once, in chunks, or found
+    in the prefix cache."""
     k_cache, v_cache = kv_cache
-    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                            meta.seq_lens, scale)
 

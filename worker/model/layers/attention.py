@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from importlib import import_module
+
 import torch
 from torch import nn
 
@@ -48,12 +51,31 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         # positions: [T]; x: [T, hidden]
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = self.ops.attention(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
+        qkv = self.qkv_proj(x)
+        k_cache, v_cache = kv_cache
+        if qkv.is_cuda and qkv_triton().supported(qkv, self.num_heads, self.num_kv_heads,
+                                                  self.head_dim, self.rotary.cos, k_cache):
+            # q/k norm, rotary and the K/V store in one launch (both modes on CUDA)
+            q = qkv_triton().norm_rope_store(
+                qkv, positions, self.rotary.cos, self.rotary.sin,
+                self.q_norm.weight if self.q_norm is not None else None,
+                self.k_norm.weight if self.k_norm is not None else None,
+                self.q_norm.eps if self.q_norm is not None else 0.0,
+                k_cache, v_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads)
+        else:
+            q, k, v = qkv.split(self.qkv_proj.shard_sizes, dim=-1)
+            q = q.reshape(t, self.num_heads, self.head_dim)
+            k = k.reshape(t, self.num_kv_heads, self.head_dim)
+            v = v.reshape(t, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary(positions, q, k)
+            self.ops.store_kv(k, v, kv_cache, meta)
+        out = self.ops.attention(q, kv_cache, meta, self.scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+@functools.cache
+def qkv_triton():
+    """kernels.qkv_triton, imported on first use (it needs triton; the CPU path does not)."""
+    return import_module("kernels.qkv_triton")
