@@ -289,6 +289,22 @@ class _Launch:
         self.block_m = cfg.block_m
         self.n_tiles = triton.cdiv(n, cfg.block_n)
         self.max_programs = info.num_sms * cfg.ctas_per_sm
+        # (A's address, C's address, M) -> the encoded A, B and C descriptor arguments. An
+        # eager loop's activations come back at the same addresses from the caching
+        # allocator, so the two per-call encodings are mostly found here; a descriptor is a
+        # function of address, shape and tile alone, so a reused address gets the same one.
+        self.descriptors: dict[tuple[int, int, int], tuple] = {}
+
+    def descriptor_args(self, a_ptr: int, c_ptr: int, m: int, n: int, k: int) -> tuple:
+        key = (a_ptr, c_ptr, m)
+        args = self.descriptors.get(key)
+        if args is None:
+            if len(self.descriptors) >= _MAX_DESCRIPTORS:
+                self.descriptors.clear()
+            args = self.descriptors[key] = (*self.encode_a(a_ptr, [m, k], [k, 1]),
+                                            *self.b_args,
+                                            *self.encode_c(c_ptr, [m, n], [n, 1]))
+        return args
 
 
 class _Weight:
@@ -322,6 +338,7 @@ class _Weight:
 # later tensor at the same address with the same shape and strides gets the same descriptor.
 _WEIGHTS: dict[tuple, _Weight | None] = {}
 _MAX_WEIGHTS = 4096
+_MAX_DESCRIPTORS = 64  # per launch state
 
 
 def _weight_for(key: tuple, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
@@ -380,9 +397,8 @@ def _matmul_fast(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
         launch.launcher(grid, 1, 1, stream, a_ptr, *launch.b_args, c_ptr, bias_ptr, m, n, k, k,
                         num_tiles, grid)
     else:
-        launch.launcher(grid, 1, 1, stream, *launch.encode_a(a_ptr, [m, k], [k, 1]),
-                        *launch.b_args, *launch.encode_c(c_ptr, [m, n], [n, 1]), bias_ptr,
-                        m, n, k, k, num_tiles, grid)
+        launch.launcher(grid, 1, 1, stream, *launch.descriptor_args(a_ptr, c_ptr, m, n, k),
+                        bias_ptr, m, n, k, k, num_tiles, grid)
     return c
 
 

@@ -92,6 +92,14 @@ def _log_softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor
 
 def _mean_dim(x: torch.Tensor, dim=None, keepdim: bool = False, dtype=None
               ) -> torch.Tensor | None:
+    if (dtype is None and x.is_cuda and dim is not None and len(dim) == 1 and x.dim() > 0
+            and dim[0] % x.dim() == x.dim() - 1 and x.dtype in _FLOATS and x.is_contiguous()
+            and x.shape[-1]):
+        # The common case (a norm's mean over the last dim): one launch, the sum and the
+        # division of the general path below, bit for bit.
+        rows = x.view(-1, x.shape[-1])
+        mean = import_module("kernels.rmsnorm_triton").row_sum(rows, mean=True)
+        return mean.view(*x.shape[:-1], 1) if keepdim else mean.view(x.shape[:-1])
     out_dtype = dtype or x.dtype
     if x.dtype not in _FLOATS or out_dtype not in _FLOATS:
         return None

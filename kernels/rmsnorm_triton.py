@@ -5,7 +5,8 @@ sum of squares (set by BLOCK = next power of two >= H). The row count never chan
 is reduced: there is no split reduction for small batches.
 
 `row_sum` is the same kind of reduction on its own (one program per row, fixed chunks in
-order, one fixed tree): `set_batch_invariant_mode()` computes aten mean with it on CUDA.
+order, one fixed tree): `set_batch_invariant_mode()` computes aten mean with it on CUDA, the
+division folded into the same launch (`row_sum(x, mean=True)`).
 
 Numerics follow the Hugging Face / vLLM RMSNorm: new_residual = x + residual in x's dtype; the
 statistics in fp32; the normalised row rounded to x's dtype before the weight multiplies it.
@@ -13,6 +14,7 @@ statistics in fp32; the normalised row rounded to x's dtype before the weight mu
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -47,7 +49,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, stride_x, s
 
 
 @triton.jit
-def _row_sum_kernel(x_ptr, out_ptr, L, stride_x, BLOCK: tl.constexpr):
+def _row_sum_kernel(x_ptr, out_ptr, L, stride_x, scale, BLOCK: tl.constexpr,
+                    MEAN: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), tl.float32)
@@ -55,40 +58,49 @@ def _row_sum_kernel(x_ptr, out_ptr, L, stride_x, BLOCK: tl.constexpr):
     for start in range(0, L, BLOCK):
         mask = start + offs < L
         acc += tl.load(x_ptr + row * stride_x + start + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row, tl.sum(acc, axis=0))
+    total = tl.sum(acc, axis=0)
+    if MEAN:  # torch's `total / L` on CUDA: a multiply by the fp32 reciprocal, then the cast
+        total = (total * scale).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row, total)
 
 
 ROW_SUM_BLOCK = 2048
 
 
-def row_sum(x2: torch.Tensor) -> torch.Tensor:
-    """x2 [R, L] (fp32/bf16/fp16) -> fp32 [R]: each row's sum in one order set by L alone."""
+def row_sum(x2: torch.Tensor, mean: bool = False) -> torch.Tensor:
+    """x2 [R, L] (fp32/bf16/fp16) -> fp32 [R]: each row's sum in one order set by L alone.
+
+    `mean`: each row's mean in x2's dtype instead, the bits of `(row_sum(x2) / L).to(dtype)`
+    as torch computes that division on CUDA (times the fp32 reciprocal of L, rounded once)."""
     if x2.dim() != 2 or x2.dtype not in _SUPPORTED:
         raise ValueError(f"row_sum wants a 2-D float tensor, got {tuple(x2.shape)} {x2.dtype}")
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     rows, length = x2.shape
-    out = torch.empty((rows,), dtype=torch.float32, device=x2.device)
+    out = torch.empty((rows,), dtype=x2.dtype if mean else torch.float32, device=x2.device)
     if rows == 0:
         return out
+    scale = float(np.float32(1.0) / np.float32(length)) if mean and length else 1.0
     block = min(ROW_SUM_BLOCK, triton.next_power_of_2(max(length, 1)))
     num_warps = 4 if block <= 1024 else 8
     if x2.is_cuda and x2.stride(0) == length and x2.data_ptr() % 16 == 0:
         device = x2.get_device()
-        key = (device, x2.dtype, length, block)
+        key = (device, x2.dtype, length, block, mean)
         launcher = _ROW_SUM_LAUNCHERS.get(key, False)
         if launcher is False:
             try:
-                launcher = Launcher(_row_sum_kernel, (rows,), (x2, out, length, length, block),
+                launcher = Launcher(_row_sum_kernel, (rows,),
+                                    (x2, out, length, length, scale, block, mean),
                                     num_warps=num_warps)
             except Unsupported:
                 launcher = None
             _ROW_SUM_LAUNCHERS[key] = launcher
         if launcher is not None:
             launcher(rows, 1, 1, raw_stream(device), x2.data_ptr(), out.data_ptr(), length,
-                     length)
+                     length, scale)
             return out
-    _row_sum_kernel[(rows,)](x2, out, length, x2.stride(0), BLOCK=block, num_warps=num_warps)
+    _row_sum_kernel[(rows,)](x2, out, length, x2.stride(0), scale, BLOCK=block, MEAN=mean,
+                             num_warps=num_warps)
     return out
 
 

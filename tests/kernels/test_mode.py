@@ -130,3 +130,23 @@ def test_mean_rows_are_batch_invariant(device):
         full = x.mean(-1)
         for rows in (1, 2, 3, 7, 33):
             assert torch.equal(x[:rows].mean(-1), full[:rows])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_last_dim_mean_takes_the_same_bits_as_the_general_path(device, dtype):
+    """A norm's mean over the last dim has a one-launch path on CUDA (the division folded into
+    the sum's kernel); it must give the general path's bits (a permuted view takes that one),
+    keepdim or not, and rows stay batch-invariant."""
+    torch.manual_seed(5)
+    x = torch.randn(6, 9, 100, device=device).to(dtype)
+    via_view = x.transpose(0, 1).contiguous().transpose(0, 1)  # not contiguous: general path
+    with kernels.set_batch_invariant_mode():
+        fast, fast_kept = x.mean(-1), x.mean(-1, keepdim=True)
+        general = via_view.mean(2)
+        alone = x[2:3].mean(-1)
+    assert fast.dtype == dtype and fast.shape == (6, 9) and fast_kept.shape == (6, 9, 1)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(fast.view(bits), general.view(bits))
+    assert torch.equal(fast_kept.view(bits), fast.unsqueeze(-1).view(bits))
+    assert torch.equal(alone.view(bits), fast[2:3].view(bits))

@@ -28,6 +28,7 @@ from kernels import rmsnorm_triton as rn_mod  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
@@ -208,6 +209,24 @@ def test_row_sum_matches_reference_and_is_batch_invariant(dtype, monkeypatch):
     for rows in (1, 2, 5, 9):
         assert torch.equal(rn_mod.row_sum(x[:rows]), out[:rows])
     assert torch.equal(rn_mod.row_sum(x[4:5]), out[4:5])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("length", [100, 128])
+def test_row_mean_is_the_sum_times_the_reciprocal(dtype, length, monkeypatch):
+    """row_sum(mean=True) folds torch's CUDA division by a scalar (a multiply by the fp32
+    reciprocal, then the cast to the input's dtype) into the sum's launch: the same bits."""
+    monkeypatch.setattr(rn_mod, "ROW_SUM_BLOCK", 32)
+    x = _randn(9, length, dtype=dtype, seed=25)
+    mean = rn_mod.row_sum(x, mean=True)
+    assert mean.dtype == dtype and mean.shape == (9,)
+    total = rn_mod.row_sum(x)
+    inv = torch.tensor(np.float32(1.0) / np.float32(length), device=DEVICE)
+    assert torch.equal(mean.view(BITS[dtype]), (total * inv).to(dtype).view(BITS[dtype]))
+    if ON_GPU:  # what the general path of set_batch_invariant_mode's mean computes
+        assert torch.equal(mean.view(BITS[dtype]), (total / length).to(dtype).view(BITS[dtype]))
+    for rows in (1, 4):
+        assert torch.equal(rn_mod.row_sum(x[:rows], mean=True), mean[:rows])
 
 
 # ----------------------------------------------------------------------------- log_softmax
