@@ -234,8 +234,10 @@ def test_row_mean_is_the_sum_times_the_reciprocal(dtype, length, monkeypatch):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_log_softmax_matches_reference_and_is_batch_invariant(dtype, monkeypatch):
-    # A small chunk so that the online (multi-chunk) path runs: V = 3.5 chunks.
-    monkeypatch.setattr(ls_mod, "BLOCK", 64)
+    # Small steps and chunks so that both online combinations run: V = 224 is 3.5 chunks of
+    # 64 positions, each read in two steps of 32.
+    monkeypatch.setattr(ls_mod, "BLOCK", 32)
+    monkeypatch.setattr(ls_mod, "CHUNK", 64)
     x = (_randn(11, 224, dtype=torch.float32, seed=18) * 8).to(dtype)
     out = ls_mod.log_softmax(x)
     assert out.dtype == torch.float32 and out.shape == x.shape
@@ -245,11 +247,14 @@ def test_log_softmax_matches_reference_and_is_batch_invariant(dtype, monkeypatch
 
 
 def test_log_softmax_masked_logits_and_other_dims(monkeypatch):
-    monkeypatch.setattr(ls_mod, "BLOCK", 32)
+    monkeypatch.setattr(ls_mod, "BLOCK", 16)
+    monkeypatch.setattr(ls_mod, "CHUNK", 32)
     x = _randn(4, 100, dtype=torch.float32, seed=19)
     x[:, :40] = float("-inf")  # whole leading chunks masked out
     out = ls_mod.log_softmax(x)
     assert torch.isneginf(out[:, :40]).all()
     assert torch.allclose(out, torch.log_softmax(x, -1), atol=1e-6)
+    x[3] = float("-inf")  # a row of -inf only: NaN, as torch gives
+    assert torch.isnan(ls_mod.log_softmax(x)[3]).all() and torch.log_softmax(x, -1)[3].isnan().all()
     y = _randn(6, 5, 3, dtype=torch.float32, seed=20)
     assert torch.allclose(ls_mod.log_softmax(y, dim=1), torch.log_softmax(y, 1), atol=1e-6)
