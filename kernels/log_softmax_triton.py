@@ -81,19 +81,27 @@ _LAUNCHERS: dict[tuple, tuple[Launcher, Launcher] | None] = {}
 
 def _shape(v: int) -> tuple[int, int, int, int]:
     """(chunk, block, chunks, chunks padded to a power of two) for rows of v."""
-    block = min(BLOCK, triton.next_power_of_2(v))
-    chunk = max(CHUNK, block)
-    chunks = triton.cdiv(v, chunk)
-    return chunk, block, chunks, triton.next_power_of_2(chunks)
+    key = (v, CHUNK, BLOCK)
+    shape = _SHAPES.get(key)
+    if shape is None:
+        block = min(BLOCK, triton.next_power_of_2(v))
+        chunk = max(CHUNK, block)
+        chunks = triton.cdiv(v, chunk)
+        shape = _SHAPES[key] = (chunk, block, chunks, triton.next_power_of_2(chunks))
+    return shape
 
 
-def _launch_fast(rows: torch.Tensor, stats: torch.Tensor, out: torch.Tensor) -> bool:
+_SHAPES: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
+
+
+def _launch_fast(rows: torch.Tensor, stats: torch.Tensor, out: torch.Tensor,
+                 shape: tuple[int, int, int, int]) -> bool:
     n_rows, v = rows.shape
     x_ptr = rows.data_ptr()
     if x_ptr % 16 or rows.stride(0) != v:
         return False
     device = rows.get_device()
-    chunk, block, chunks, chunks_pad = _shape(v)
+    chunk, block, chunks, chunks_pad = shape
     key = (device, rows.dtype, v, chunk, block)
     launchers = _LAUNCHERS.get(key, False)
     if launchers is False:
@@ -109,10 +117,9 @@ def _launch_fast(rows: torch.Tensor, stats: torch.Tensor, out: torch.Tensor) -> 
         _LAUNCHERS[key] = launchers
     if launchers is None:
         return False
-    stream = raw_stream(device)
-    launchers[0](n_rows, chunks, 1, stream, x_ptr, stats.data_ptr(), v, v, chunks)
-    launchers[1](n_rows, chunks, 1, stream, x_ptr, stats.data_ptr(), out.data_ptr(), v, v, v,
-                 chunks)
+    stream, stats_ptr = raw_stream(device), stats.data_ptr()
+    launchers[0](n_rows, chunks, 1, stream, x_ptr, stats_ptr, v, v, chunks)
+    launchers[1](n_rows, chunks, 1, stream, x_ptr, stats_ptr, out.data_ptr(), v, v, v, chunks)
     return True
 
 
@@ -127,11 +134,16 @@ def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     n_rows, v = rows.shape
-    out = torch.empty((n_rows, v), dtype=torch.float32, device=x.device)
-    if n_rows and v:
-        chunk, block, chunks, chunks_pad = _shape(v)
-        stats = torch.empty((n_rows, chunks, 2), dtype=torch.float32, device=x.device)
-        if not (rows.is_cuda and _launch_fast(rows, stats, out)):
+    if not (n_rows and v):
+        out = torch.empty((n_rows, v), dtype=torch.float32, device=x.device)
+    else:
+        shape = chunk, block, chunks, chunks_pad = _shape(v)
+        # One allocation for the result and the chunk statistics behind it (16-byte aligned):
+        # an eager call on a few rows is bound by its host work.
+        size = -(-n_rows * v // 4) * 4
+        buf = torch.empty(size + n_rows * chunks * 2, dtype=torch.float32, device=x.device)
+        out, stats = buf[:n_rows * v].view(n_rows, v), buf[size:]
+        if not (rows.is_cuda and _launch_fast(rows, stats, out, shape)):
             grid = (n_rows, chunks)
             _chunk_stats_kernel[grid](rows, stats, v, rows.stride(0), chunks, CHUNK=chunk,
                                       BLOCK=block, num_warps=NUM_WARPS)
