@@ -133,3 +133,21 @@ def test_generated_blocks_reach_the_prefix_cache(tiny_model):
             outputs += eng.step()[0]
         cached[overlap] = outputs[0].num_cached_tokens
     assert cached[True] == cached[False] == 64  # blocks 0-3 of the 81 tokens
+
+
+def test_on_by_default_on_cuda_only_and_the_flags_override():
+    """`async_scheduling` None resolves by device (CUDA: on; CPU: off, nothing overlaps there);
+    `--async-scheduling` / `--no-async-scheduling` set it either way."""
+    import argparse
+
+    from worker.cli import add_engine_args
+
+    assert EngineConfig(device="cuda").overlaps_steps
+    assert not EngineConfig(device="cpu").overlaps_steps
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    for argv, device, want in (([], "cuda", True), ([], "cpu", False),
+                               (["--no-async-scheduling"], "cuda", False),
+                               (["--async-scheduling"], "cpu", True)):
+        args = parser.parse_args([*argv, "--device", device])
+        assert EngineConfig.from_args(args).overlaps_steps is want, (argv, device)
