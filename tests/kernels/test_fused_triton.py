@@ -104,6 +104,31 @@ def test_norm_rope_store_token_bits_do_not_depend_on_the_batch(dtype):
         assert same_bits(w.cached(w.v_cache)[i], v_all[i])
 
 
+def _sequential_norm_q(w: World, rows: slice) -> torch.Tensor:
+    """Negative control: the q norm with its sum of squares in an order that follows the call's
+    size, as a split reduction chosen by row count would: left to right over the head below 4
+    tokens, each half left to right and then added from 4 on. Both orders are explicit fp32
+    additions, so they differ on some heads on any CPU."""
+    x = w.qkv[rows, :w.hq * w.d].reshape(-1, w.hq, w.d).float()
+    sq = x * x
+    if x.shape[0] < 4:
+        ss = sq.cumsum(-1)[..., -1]
+    else:
+        h = w.d // 2
+        ss = sq[..., :h].cumsum(-1)[..., -1] + sq[..., h:].cumsum(-1)[..., -1]
+    return x * torch.rsqrt(ss / w.d + EPS)[..., None]
+
+
+def test_negative_control_a_size_dependent_norm_is_caught():
+    """The alone-vs-in-the-call comparison above finds the difference that a norm whose
+    reduction order follows the call's size makes."""
+    w = World(torch.float32, t=9)
+    q_all = _sequential_norm_q(w, slice(None))
+    differing = [i for i in range(9)
+                 if not same_bits(_sequential_norm_q(w, slice(i, i + 1))[0], q_all[i])]
+    assert differing
+
+
 def test_norm_rope_store_skips_negative_slots():
     w = World(torch.float32, t=3)
     slots = torch.tensor([5, -1, 7], device=DEVICE)
