@@ -8,7 +8,10 @@ softmax), then combines the lanes by one fixed tree into the chunk's (max, sum).
 one fixed tree into the row's logsumexp (every program of a row computes it from the same
 values with the same code, so they agree) and writes x - logsumexp for its chunk. Chunks,
 steps and trees depend on V only, never on the number of rows. Computed in fp32; the result is
-fp32 whatever the input dtype.
+fp32 whatever the input dtype. The lane tree is the compiled layout's, which Triton picks from
+the input's element size: a bf16 row and its fp32 copy may differ in the last bit (3 rows of
+257 on an H200), while rows of one dtype never depend on the batch. The engine feeds the
+lm_head's bf16 logits as they are, sampled and scored rows alike.
 
 Why chunks: one program per row left a decode step's few rows of 151,936 logits to a few SMs
 (35 us for one row on an H200, 70 us for 64); the chunks spread a row over ~19 programs.

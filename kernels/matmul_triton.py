@@ -318,19 +318,33 @@ class _Weight:
         self.device = bt.get_device()
         self.info = info
         self.bias_ptr = bias.data_ptr() if bias is not None else 0
-        self.by_m: dict[int, _Launch] = {}
+        self.by_m: dict[int, _Plan] = {}
         self.by_config: dict[tuple[TileConfig, bool], _Launch] = {}
 
-    def launch_for(self, a: torch.Tensor, bt: torch.Tensor, bias: torch.Tensor | None,
-                   m: int) -> _Launch:
+    def plan_for(self, a: torch.Tensor, bt: torch.Tensor, bias: torch.Tensor | None,
+                 m: int) -> _Plan:
         cfg = pick_config(m, self.n, self.k, self.dtype, self.info)
         key = (cfg, _a_desc(m, cfg))
         launch = self.by_config.get(key)
         if launch is None:
             launch = _Launch(a, bt, self.b_is_nk, bias, cfg, key[1], self.info)
             self.by_config[key] = launch
-        self.by_m[m] = launch
-        return launch
+        plan = self.by_m[m] = _Plan(launch, m, self.n, self.k)
+        return plan
+
+
+class _Plan:
+    """One (weight, M): the launch state and the call's arguments that follow from M alone,
+    so that a call computes nothing but A's and C's addresses."""
+
+    __slots__ = ("descriptors", "launch", "grid", "tail")
+
+    def __init__(self, launch: _Launch, m: int, n: int, k: int):
+        num_tiles = triton.cdiv(m, launch.block_m) * launch.n_tiles
+        self.launch = launch
+        self.descriptors = launch.encode_a is not None
+        self.grid = min(num_tiles, launch.max_programs)
+        self.tail = (m, n, k, k, num_tiles, self.grid)  # M, N, K, stride_am, tiles, grid
 
 
 # (weight data_ptr, shape, strides, dtype, bias data_ptr) -> _Weight, or None where the fast
@@ -374,31 +388,28 @@ def _matmul_fast(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
         return None
     m, k = a.shape
     a_ptr = a.data_ptr()
+    # is_contiguous: A's rows are K apart (K >= 8 here, so its one element stride is 1 too).
     if (k != weight.k or a.dtype != weight.dtype or m == 0 or a_ptr % 16
-            or a.stride(1) != 1 or (m > 1 and a.stride(0) != k)
-            or a.get_device() != weight.device):
+            or not a.is_contiguous() or a.get_device() != weight.device):
         return None
-    launch = weight.by_m.get(m)
-    if launch is None:
+    plan = weight.by_m.get(m)
+    if plan is None:
         bt, _ = _b_layout(b)
         try:
-            launch = weight.launch_for(a, bt, bias, m)
+            plan = weight.plan_for(a, bt, bias, m)
         except Unsupported:
             _WEIGHTS[key] = None
             return None
-    n = weight.n
-    c = a.new_empty((m, n))
+    c = a.new_empty((m, weight.n))
     c_ptr = c.data_ptr()
-    num_tiles = triton.cdiv(m, launch.block_m) * launch.n_tiles
-    grid = min(num_tiles, launch.max_programs)
-    bias_ptr = weight.bias_ptr or c_ptr
+    launch, n = plan.launch, weight.n
     stream = raw_stream(weight.device)
-    if launch.encode_a is None:
-        launch.launcher(grid, 1, 1, stream, a_ptr, *launch.b_args, c_ptr, bias_ptr, m, n, k, k,
-                        num_tiles, grid)
+    if plan.descriptors:
+        launch.launcher(plan.grid, 1, 1, stream, *launch.descriptor_args(a_ptr, c_ptr, m, n, k),
+                        weight.bias_ptr or c_ptr, *plan.tail)
     else:
-        launch.launcher(grid, 1, 1, stream, *launch.descriptor_args(a_ptr, c_ptr, m, n, k),
-                        bias_ptr, m, n, k, k, num_tiles, grid)
+        launch.launcher(plan.grid, 1, 1, stream, a_ptr, *launch.b_args, c_ptr,
+                        weight.bias_ptr or c_ptr, *plan.tail)
     return c
 
 

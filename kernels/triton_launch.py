@@ -65,10 +65,13 @@ class Launcher:
         if any(i not in constexprs for i in range(first, len(args))):
             raise Unsupported("constexpr parameters must come last")
         self._tail = tuple(args[first:])
+        # What follows the stream in every call: function, cooperative, PDL, global and
+        # profile scratch, packed metadata, launch metadata, enter and exit hooks.
+        self._head = (self._function, self._coop, self._pdl, None, None, self._packed, None,
+                      None, None)
 
     def __call__(self, grid0: int, grid1: int, grid2: int, stream: int, *args) -> None:
-        self._launch(grid0, grid1, grid2, stream, self._function, self._coop, self._pdl, None,
-                     None, self._packed, None, None, None, *args, *self._tail)
+        self._launch(grid0, grid1, grid2, stream, *self._head, *args, *self._tail)
 
     def descriptor_arg(self, i: int, desc) -> list:
         """The launcher's arguments for tensor-descriptor parameter i (in order), encoded once."""

@@ -108,14 +108,21 @@ def _sequential_norm_q(w: World, rows: slice) -> torch.Tensor:
     """Negative control: the q norm with its sum of squares in an order that follows the call's
     size, as a split reduction chosen by row count would: left to right over the head below 4
     tokens, each half left to right and then added from 4 on. Both orders are explicit fp32
-    additions, so they differ on some heads on any CPU."""
+    additions, one element-wise add at a time (a cumsum is a parallel scan on CUDA), so they
+    differ on some heads on any device."""
     x = w.qkv[rows, :w.hq * w.d].reshape(-1, w.hq, w.d).float()
     sq = x * x
+
+    def left_to_right(cols: range) -> torch.Tensor:
+        total = sq[..., cols[0]]
+        for j in cols[1:]:
+            total = total + sq[..., j]
+        return total
+
     if x.shape[0] < 4:
-        ss = sq.cumsum(-1)[..., -1]
+        ss = left_to_right(range(w.d))
     else:
-        h = w.d // 2
-        ss = sq[..., :h].cumsum(-1)[..., -1] + sq[..., h:].cumsum(-1)[..., -1]
+        ss = left_to_right(range(w.d // 2)) + left_to_right(range(w.d // 2, w.d))
     return x * torch.rsqrt(ss / w.d + EPS)[..., None]
 
 

@@ -38,7 +38,7 @@ def test_forward_shapes_and_dtypes(get_model, dtype):
     hidden = step(model, make_caches(model, 8), seqs, [3, 20, 1])
     assert hidden.shape == (24, c.hidden_size) and hidden.dtype == getattr(torch, dtype)
     logits = model.compute_logits(hidden[[2, 22, 23]])
-    assert logits.shape == (3, c.vocab_size) and logits.dtype == torch.float32
+    assert logits.shape == (3, c.vocab_size) and logits.dtype == getattr(torch, dtype)
     assert torch.isfinite(logits).all()
 
 

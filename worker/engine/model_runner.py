@@ -150,7 +150,7 @@ class ModelRunner:
         if not rows.logits_indices:  # only prefill chunks that neither sample nor score
             return Launch(sample_seqs, rows, None, _Results([]))
         logits_indices = self.inputs.put("logits_indices", np.array(rows.logits_indices, np.int64))
-        logits = self.model.compute_logits(hidden[logits_indices])  # [R, V] fp32
+        logits = self.model.compute_logits(hidden[logits_indices])  # [R, V] model dtype
         sample_rows = self.inputs.put("sample_rows", np.array(rows.sample_rows, np.int64))
         sampled = self.sampler.sample(logits[sample_rows], sample_seqs)  # [S] int64
         if rows.num_top < 0:

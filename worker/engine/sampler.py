@@ -1,4 +1,5 @@
-"""Next-token choice and logprobs, from the fp32 logits of the rows that sample.
+"""Next-token choice and logprobs, from the logits of the rows that sample (in the model's
+dtype; every use below widens them to fp32 first, which is exact).
 
 Invariant: a sequence's token and logprobs depend only on its own logits row and its own
 seeded generator, never on its batch neighbours. Greedy is an argmax (exact). Sampled rows are
@@ -35,8 +36,8 @@ class Sampler:
         self.device = device
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """logits: [S, V] fp32, row i for seqs[i] -> token ids [S] int64 (on the device)."""
-        token_ids = logits.argmax(dim=-1)
+        """logits: [S, V], row i for seqs[i] -> token ids [S] int64 (on the device)."""
+        token_ids = logits.argmax(dim=-1)  # widening keeps order and ties: no copy needed
         for i, seq in enumerate(seqs):
             if not seq.params.greedy:
                 token_ids[i] = self._sample_row(logits[i], seq)
@@ -44,8 +45,8 @@ class Sampler:
 
     def logprobs(self, logits: torch.Tensor, chosen: torch.Tensor, num_top: int,
                  with_rank: bool) -> LogprobTensors:
-        """logits: [R, V] fp32; chosen: [R] int64 -> the chosen tokens' logprobs, top-k, ranks."""
-        logprobs = self.log_softmax(logits)  # [R, V] fp32
+        """logits: [R, V]; chosen: [R] int64 -> the chosen tokens' logprobs, top-k, ranks."""
+        logprobs = self.log_softmax(logits)  # [R, V] fp32, computed from the widened logits
         chosen_lp = logprobs.gather(1, chosen[:, None]).squeeze(1)
         top = logprobs.topk(num_top, dim=-1) if num_top else None
         empty = logprobs.new_empty(len(chosen), 0)
@@ -63,9 +64,9 @@ class Sampler:
         return seq.generator
 
     def _sample_row(self, logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
-        """logits: [V] fp32 -> a 0-dim token id drawn with the sequence's generator."""
+        """logits: [V] -> a 0-dim token id drawn with the sequence's generator."""
         params = seq.params
-        x = logits / params.temperature
+        x = logits.float() / params.temperature
         if 0 < params.top_k < x.numel():
             kth = torch.topk(x, params.top_k).values[-1]
             x = x.masked_fill(x < kth, float("-inf"))

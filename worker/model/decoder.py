@@ -83,7 +83,9 @@ class DecoderModel(nn.Module):
 
 class CausalLM(nn.Module):
     """`model(input_ids [T], positions [T], meta, kv_caches) -> hidden [T, H]`;
-    `compute_logits(hidden [B, H]) -> logits [B, V] float32`."""
+    `compute_logits(hidden [B, H]) -> logits [B, V]` in the model's dtype (widening them is
+    the log_softmax's and the sampler's job: exact, and on the GPU no extra pass over
+    [B, V])."""
 
     def __init__(self, config: ModelConfig, ops: Ops) -> None:
         super().__init__()
@@ -107,7 +109,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.ops.linear(hidden, weight).float()
+        return self.ops.linear(hidden, weight)
 
 
 def build_model(config: ModelConfig, ops: Ops) -> CausalLM:
