@@ -181,6 +181,8 @@ def _launch(x2: torch.Tensor, res2: torch.Tensor | None, weight: torch.Tensor, e
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
+    if t.dim() == 2 and t.stride(1) == 1:  # the engine's [T, H]: no view to build per call
+        return t
     t2 = t.reshape(-1, t.shape[-1])
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
@@ -189,7 +191,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., H] -> RMSNorm(x) * weight, same shape and dtype."""
     _check(x, weight)
     out, _ = _launch(_rows(x), None, weight.contiguous(), eps)
-    return out.view(x.shape)
+    return out if x.dim() == 2 else out.view(x.shape)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -199,4 +201,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(f"residual must match x: {tuple(residual.shape)} {residual.dtype}")
     out, res_out = _launch(_rows(x), _rows(residual), weight.contiguous(), eps)
+    if x.dim() == 2:
+        return out, res_out
     return out.view(x.shape), res_out.view(x.shape)
