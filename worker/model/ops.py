@@ -83,7 +83,7 @@ class DefaultOps:
         return _padded_sdpa(q, k_cache, v_cache, meta, scale)
 
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
-        # Widened inside the kernel (the same values as logits.float(), one pass fewer).
+        # torch widens inside its kernel: one pass over [B, V] fewer than logits.float() first.
         return F.log_softmax(logits, dim=-1, dtype=torch.float32)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
