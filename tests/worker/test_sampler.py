@@ -92,3 +92,21 @@ def test_no_top_logprobs_when_k_is_zero():
     x = logits(2)
     lp = sampler().logprobs(x, x.argmax(-1), 0, with_rank=False)
     assert lp.top_ids.shape == (2, 0) and lp.rank is None
+
+
+def test_bf16_logits_choose_as_their_fp32_copy_does():
+    # A bf16 model's compute_logits hands its logits over unwidened: greedy and seeded draws
+    # must pick what the fp32 copy picks, and the CPU kernels widen before they reduce.
+    x = logits(6, seed=9).bfloat16()
+
+    def seqs() -> list[Sequence]:
+        return [seq(str(i), temperature=0.8, seed=i, top_k=50 * i, top_p=0.9) if i % 2
+                else seq(str(i)) for i in range(6)]
+
+    assert draw(sampler(), x, seqs(), 10) == draw(sampler(), x.float(), seqs(), 10)
+    s = sampler("batch_invariant")
+    chosen = x.float().argmax(-1)
+    a = s.logprobs(x, chosen, 5, with_rank=True)
+    b = s.logprobs(x.float(), chosen, 5, with_rank=True)
+    assert same_bits(a.chosen, b.chosen) and same_bits(a.top_values, b.top_values)
+    assert a.top_ids.tolist() == b.top_ids.tolist() and a.rank.tolist() == b.rank.tolist()
