@@ -18,25 +18,13 @@ CPU: `kernels.attention_cpu`; CUDA: `kernels.attention_triton` (imported on firs
 
 from __future__ import annotations
 
-import functools
-from importlib import import_module
-
 import torch
 
-
-@functools.cache
-def _resolve(name: str, cuda: bool):
-    return getattr(import_module("kernels.attention_triton" if cuda else "kernels.attention_cpu"),
-                   name)
+from kernels import by_device
 
 
 def _impl(name: str, x: torch.Tensor):
-    # Flag reads, not `x.device` and importlib, on every call (see kernels._impl).
-    if x.is_cuda:
-        return _resolve(name, True)
-    if x.is_cpu:
-        return _resolve(name, False)
-    raise NotImplementedError(f"{name}: no attention kernel for device {x.device}")
+    return by_device(x, name, "kernels.attention_triton", "kernels.attention_cpu")
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

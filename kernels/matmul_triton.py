@@ -341,12 +341,11 @@ class _Plan:
     """One (weight, M): the launch state and the call's arguments that follow from M alone,
     so that a call computes nothing but A's and C's addresses."""
 
-    __slots__ = ("descriptors", "launch", "grid", "tail")
+    __slots__ = ("launch", "grid", "tail")
 
     def __init__(self, launch: _Launch, m: int, n: int, k: int):
         num_tiles = triton.cdiv(m, launch.block_m) * launch.n_tiles
         self.launch = launch
-        self.descriptors = launch.encode_a is not None
         self.grid = min(num_tiles, launch.max_programs)
         self.tail = (m, n, k, k, num_tiles, self.grid)  # M, N, K, stride_am, tiles, grid
 
@@ -408,7 +407,7 @@ def _matmul_fast(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
     c_ptr = c.data_ptr()
     launch, n = plan.launch, weight.n
     stream = raw_stream(weight.device)
-    if plan.descriptors:
+    if launch.encode_a is not None:  # A and C through TMA descriptors
         launch.launcher(plan.grid, 1, 1, stream, *launch.descriptor_args(a_ptr, c_ptr, m, n, k),
                         weight.bias_ptr or c_ptr, *plan.tail)
     else:
