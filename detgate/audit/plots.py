@@ -6,7 +6,7 @@ import math
 from collections import Counter
 from pathlib import Path
 
-from detgate.audit.analysis import Analysis
+from detgate.contract.analysis import Analysis
 
 FIRST_DIVERGENCE_PNG = "first_divergence.png"
 LOGPROB_DELTA_PNG = "logprob_delta.png"

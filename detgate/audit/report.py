@@ -65,8 +65,8 @@ def _score_json(result: AuditResult) -> dict | None:
     if sc is None:
         return None
     return {"outcome": result.score_outcome, "scored": len(sc.scored), "skipped": sc.skipped,
-            "exact": sc.exact, "max_abs_logprob_diff": sc.max_abs_logprob_diff,
-            "kl_estimate": sc.kl_estimate, "unsupported": sc.unsupported,
+            "exact": sc.exact, "max_abs_logprob_diff": sc.totals.max_abs_diff,
+            "kl_estimate": sc.totals.kl, "unsupported": sc.unsupported,
             "errors": sc.errors[:20]}
 
 
@@ -112,8 +112,8 @@ def summary_rows(result: AuditResult) -> list[tuple[str, str]]:
             ("teacher-forced samples", f"{len(sc.scored)} scored, {sc.skipped} skipped, "
                                        f"{len(sc.errors)} failed; {sc.exact} bitwise equal"
                                        + _outcome_note(result.score_outcome or "complete")),
-            ("max |sampler - trainer|", fmt(sc.max_abs_logprob_diff)),
-            ("sampler-trainer KL estimate", fmt(sc.kl_estimate)),
+            ("max |sampler - trainer|", fmt(sc.totals.max_abs_diff)),
+            ("sampler-trainer KL estimate", fmt(sc.totals.kl)),
         ]
     if result.batch_sizes is None:
         rows.append(("batch sizes seen", "not exposed (no batch-size histogram at /metrics)"))

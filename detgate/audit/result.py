@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from detgate.audit.analysis import Analysis
 from detgate.audit.batch_sizes import BatchSizes
 from detgate.audit.client import ClientStats
 from detgate.audit.runner import Collected
 from detgate.audit.score import ScoreReport
+from detgate.contract.analysis import Analysis
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,6 @@ from pathlib import Path
 
 from rich.console import Console
 
-from detgate.audit.analysis import analyse
 from detgate.audit.batch_sizes import batch_sizes
 from detgate.audit.client import Deadline, EndpointClient, RequestSpec, api_root
 from detgate.audit.plots import write_plots
@@ -20,6 +19,7 @@ from detgate.audit.report import render_terminal, write_json, write_markdown
 from detgate.audit.result import AuditResult, AuditSettings
 from detgate.audit.runner import LoadPlan, collect, wait_or_stop
 from detgate.audit.score import ScoreReport, score_samples
+from detgate.contract.analysis import analyse
 
 ENDPOINTS = {"completions": "completions", "chat": "chat/completions"}
 

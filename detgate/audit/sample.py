@@ -4,22 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from detgate.contract.analysis import Answer
+
 
 @dataclass(frozen=True)
-class Sample:
-    """One completion of the audited prompt, as parsed from an OpenAI-shaped response.
+class Sample(Answer):
+    """One completion of the audited prompt, as parsed from an OpenAI-shaped response: the
+    analysed answer (text, token ids, tokens, logprobs) plus what the audit reports beside it.
 
-    `token_ids` and `prompt_token_ids` come from vLLM's `return_token_ids` extension and are
-    None where the endpoint does not offer it; `tokens` and `logprobs` come from the standard
-    logprobs field and are None where the endpoint returned none. Positions of `tokens`,
-    `token_ids` and `logprobs` refer to the same generated tokens.
+    `prompt_token_ids` comes from vLLM's `return_token_ids` extension and is None where the
+    endpoint does not offer it.
     """
 
-    index: int
-    text: str
-    token_ids: tuple[int, ...] | None = None
-    tokens: tuple[str, ...] | None = None
-    logprobs: tuple[float | None, ...] | None = None
     prompt_token_ids: tuple[int, ...] | None = None
     finish_reason: str | None = None
     fingerprint: str | None = None

@@ -2,8 +2,8 @@
 
 A trainer recomputes the logprobs of the sampled tokens in one full forward pass; when the
 sampler's numbers equal those bitwise, the sampler-trainer KL estimate is exactly 0 and no
-importance weighting is needed. The estimate is the mean over sampled tokens of
-logp_sampler - logp_trainer (a Monte Carlo estimate of KL(sampler || trainer)).
+importance weighting is needed. The comparison and the estimate are the contract's
+(`detgate.contract.analysis.compare_to_teacher`); this module sends the score requests.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from detgate.audit.client import AuditRequestError, EndpointClient
 from detgate.audit.sample import Sample
-from detgate.contract.compare import same_bits
+from detgate.contract.analysis import TeacherComparison, TeacherTotals, compare_to_teacher
 
 # Answers meaning "this endpoint has no score route".
 NO_ROUTE_STATUSES = frozenset({404, 405})
@@ -23,18 +23,10 @@ NO_ROUTE_STATUSES = frozenset({404, 405})
 NO_SCORE_WORKER = (409, "no_score_worker")
 
 
-@dataclass(frozen=True)
-class SampleScore:
-    index: int
-    tokens: int
-    max_abs_logprob_diff: float
-    sum_logprob_diff: float
-    exact: bool
-
-
 @dataclass
 class ScoreReport:
-    scored: list[SampleScore] = field(default_factory=list)
+    # (sample index, its comparison) in the order the answers came
+    scored: list[tuple[int, TeacherComparison]] = field(default_factory=list)
     # Samples without token ids, prompt token ids or logprobs cannot be teacher-forced.
     skipped: int = 0
     errors: list[str] = field(default_factory=list)
@@ -42,31 +34,13 @@ class ScoreReport:
     unsupported: str | None = None
 
     @property
-    def max_abs_logprob_diff(self) -> float | None:
-        return max((s.max_abs_logprob_diff for s in self.scored), default=None)
-
-    @property
-    def kl_estimate(self) -> float | None:
-        tokens = sum(s.tokens for s in self.scored)
-        return sum(s.sum_logprob_diff for s in self.scored) / tokens if tokens else None
+    def totals(self) -> TeacherTotals:
+        return TeacherTotals.of([c for _, c in self.scored])
 
     @property
     def exact(self) -> int:
-        return sum(s.exact for s in self.scored)
-
-
-def compare_to_teacher(index: int, sampled: Sequence[float | None],
-                       teacher: Sequence[float]) -> SampleScore:
-    if len(sampled) != len(teacher):
-        raise ValueError(f"{len(sampled)} sampled logprobs but {len(teacher)} teacher-forced ones")
-    pairs = [(s, t) for s, t in zip(sampled, teacher, strict=True) if s is not None]
-    diffs = [s - t for s, t in pairs]
-    return SampleScore(
-        index=index, tokens=len(pairs),
-        max_abs_logprob_diff=max((abs(d) for d in diffs), default=0.0),
-        sum_logprob_diff=sum(diffs),
-        exact=same_bits([s for s, _ in pairs], [t for _, t in pairs]),
-    )
+        """Samples whose every sampled logprob has the teacher-forced one's bits."""
+        return sum(c.exact for _, c in self.scored)
 
 
 def no_score_route(exc: AuditRequestError) -> bool:
@@ -98,7 +72,8 @@ async def score_samples(client: EndpointClient, samples: Sequence[Sample], concu
                 try:
                     ids = [*sample.prompt_token_ids, *sample.token_ids]
                     teacher = await client.score(ids, start)
-                    report.scored.append(compare_to_teacher(sample.index, sample.logprobs, teacher))
+                    compared = compare_to_teacher(sample.logprobs, teacher)
+                    report.scored.append((sample.index, compared))
                 except AuditRequestError as exc:
                     if no_score_route(exc):
                         report.unsupported = str(exc)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from detgate.bench.timing import copy_tb_s, events_ms, min_ms_pair
-from kernels.attention_tiles import CONFIGS, FIELDS, SHIPPED, TileConfig, config_name
+from detgate.kernels.attention_tiles import CONFIGS, FIELDS, SHIPPED, TileConfig, config_name
 
 QWEN3_8B = {"hq": 32, "hkv": 8, "d": 128}
 TINY = {"hq": 8, "hkv": 2, "d": 32}
@@ -89,7 +89,7 @@ def _set_tiles(at, values) -> None:
 
 
 def _cuda_rows() -> list[dict]:
-    at = import_module("kernels.attention_triton")
+    at = import_module("detgate.kernels.attention_triton")
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy = copy_tb_s()
     rows: list[dict] = [{"op": "copy_bandwidth", "tb_s": copy}]
@@ -138,9 +138,9 @@ def _cuda_rows() -> list[dict]:
 
 
 def _cpu_rows() -> list[dict]:
-    from kernels.attention_cpu import paged_attention
-    from worker.engine.attention_metadata import AttentionMetadata
-    from worker.model.ops import _padded_sdpa
+    from detgate.kernels.attention_cpu import paged_attention
+    from detgate.worker.model.attention_metadata import AttentionMetadata
+    from detgate.worker.model.ops import _padded_sdpa
 
     gen = torch.Generator().manual_seed(0)
     rows = []

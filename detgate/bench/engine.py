@@ -22,10 +22,10 @@ import time
 import torch
 
 from detgate.contract.constants import MODES
-from detgate.provenance import git_commit, save_result, utc_now, versions
-from worker.engine.config import EngineConfig
-from worker.engine.engine import Engine
-from worker.engine.sequence import SamplingParams
+from detgate.contract.provenance import git_commit, save_result, utc_now, versions
+from detgate.worker.engine.config import EngineConfig
+from detgate.worker.engine.engine import Engine
+from detgate.worker.engine.sequence import SamplingParams
 
 
 def workload(num_requests: int, max_tokens: int, vocab: int, seed: int = 0):
@@ -56,8 +56,8 @@ def run_once(engine: Engine, requests) -> dict:
 
 
 def build(config: EngineConfig) -> Engine:
-    from worker.model.loader import load
-    from worker.tools.model_source import resolve_model
+    from detgate.worker.model.loader import load
+    from detgate.worker.tools.model_source import resolve_model
 
     loaded = load(resolve_model(config.model), dtype=config.dtype, device=config.device,
                   mode=config.mode)
@@ -120,7 +120,7 @@ def _summary(runs: list[dict]) -> dict:
 
 
 def _device(config: EngineConfig) -> dict:
-    from worker.model.loader import device_name
+    from detgate.worker.model.numerics import device_name
 
     return {"type": config.device, "name": device_name(torch.device(config.device)),
             "torch_threads": torch.get_num_threads(), "machine": platform.machine()}

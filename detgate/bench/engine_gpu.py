@@ -37,14 +37,14 @@ import torch
 
 from detgate.bench.report import REFERENCE, environment, summary_table
 from detgate.contract.constants import DTYPES, MODES
-from worker.engine import offline as wl
-from worker.engine.attention_metadata import AttentionMetadata
-from worker.engine.config import EngineConfig
-from worker.engine.engine import Engine
-from worker.model.loader import load
-from worker.model.ops import make_ops
-from worker.tools.make_model import PRESETS
-from worker.tools.random_model import load_random
+from detgate.worker.engine import offline as wl
+from detgate.worker.engine.config import EngineConfig
+from detgate.worker.engine.engine import Engine
+from detgate.worker.model.attention_metadata import AttentionMetadata
+from detgate.worker.model.loader import load
+from detgate.worker.model.ops import make_ops
+from detgate.worker.tools.make_model import PRESETS
+from detgate.worker.tools.random_model import load_random
 
 T0 = time.time()
 PHASES = ("kernel_check", "build", "warmup", "decode_step", "determinism", "score", "cost",

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
-from detgate.provenance import cpu_model, git_commit, save_result, utc_now, versions
-from worker.engine.config import EngineConfig
-from worker.engine.engine import Engine
-from worker.engine.sequence import SamplingParams
-from worker.model.loader import load
-from worker.tools.model_source import resolve_model
+from detgate.contract.provenance import cpu_model, git_commit, save_result, utc_now, versions
+from detgate.worker.engine.config import EngineConfig
+from detgate.worker.engine.engine import Engine
+from detgate.worker.engine.sequence import SamplingParams
+from detgate.worker.model.loader import load
+from detgate.worker.tools.model_source import resolve_model
 
 BATCHES = (64, 256)
 STEPS = 40

@@ -19,7 +19,8 @@ import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
-from gateway.upstream import Upstream
+from detgate.gateway.config import Settings
+from detgate.gateway.upstream import Upstream
 
 TOKENS = 16
 FINGERPRINT = "fp_bench_canned"
@@ -93,7 +94,10 @@ async def _upstream(port: int) -> None:
 def _passthrough_app(upstream_url: str, redis_url: str, prefix: str):
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.upstream = Upstream(connect_timeout_s=2.0)
+        settings = Settings()  # the gateway's own connection settings, for a fair baseline
+        app.state.upstream = Upstream(connect_timeout_s=settings.connect_timeout_s,
+                                      keepalive_s=settings.upstream_keepalive_s,
+                                      progress_timeout_s=settings.progress_timeout_s)
         app.state.redis = aioredis.Redis.from_url(redis_url)
         yield
         await app.state.upstream.close()

@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import kernels
+from detgate import kernels
 from detgate.bench import attention
 from detgate.bench.timing import min_ms_pair
-from detgate.provenance import cpu_model, git_commit, save_result, utc_now, versions
+from detgate.contract.provenance import cpu_model, git_commit, save_result, utc_now, versions
 
 M_VALUES = (1, 4, 16, 64, 256, 1024)
 EPS = 1e-6
@@ -99,7 +99,7 @@ def run(threads: tuple[int, ...]) -> dict[str, list[dict]]:
 
 
 def main(args) -> int:
-    from kernels.cpu_ext import load
+    from detgate.kernels.cpu_ext import load
 
     threads = (args.threads,) if args.threads else tuple(sorted({1, torch.get_num_threads()}))
     measured = run(threads)

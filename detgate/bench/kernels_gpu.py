@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from detgate.bench import attention
 from detgate.bench.timing import graph_ms
-from detgate.provenance import git_commit, utc_now, versions
-from kernels import log_softmax_triton, matmul_triton, rmsnorm_triton
+from detgate.contract.provenance import git_commit, utc_now, versions
+from detgate.kernels import log_softmax_triton, matmul_triton, rmsnorm_triton
 
 HIDDEN = 4096
 VOCAB = 151936

@@ -34,9 +34,10 @@ import torch
 
 from detgate.bench import kernels_gpu as bench
 from detgate.bench.timing import copy_tb_s, graph_ms
-from kernels import log_softmax_triton as ls
-from kernels import matmul_triton as mm
-from kernels import rmsnorm_triton as rn
+from detgate.kernels import log_softmax_triton as ls
+from detgate.kernels import matmul_triton as mm
+from detgate.kernels import rmsnorm_triton as rn
+from detgate.kernels.bits import same_bits
 
 RESULT: dict = {}
 # Configs whose bits differed from the reference config: never chosen by the tuning.
@@ -100,7 +101,7 @@ def cross_config_bits() -> dict:
             shifted.copy_(a[:m])
             outs["pointer"] = mm.matmul(shifted, w.t())
             ref = outs["m128n256"]
-            differing += [f"M={m} {c}" for c, o in outs.items() if not torch.equal(o, ref)]
+            differing += [f"M={m} {c}" for c, o in outs.items() if not same_bits(o, ref)]
         report[name] = differing
         BIT_DIFFERENT.update(d.split()[1] for d in differing)
         log("cross-config", name, differing or "all equal")

@@ -21,11 +21,11 @@ from pathlib import Path
 import httpx
 
 from detgate import procs
-from detgate.paths import state_dir
+from detgate.contract.constants import DEFAULT_DTYPE, DEFAULT_MODEL, DTYPES, MODES
+from detgate.contract.paths import state_dir
+from detgate.contract.provenance import cpu_model, git_commit, save_result, utc_now, versions
 from detgate.procs import free_port
-from detgate.provenance import cpu_model, git_commit, save_result, utc_now, versions
 
-MODES = ("default", "batch_invariant")
 QUESTIONS = ["Tell me about Richard Feynman.", "What is the capital of France?",
              "Write a short poem about the sea.", "How do airplanes fly?",
              "Explain photosynthesis simply.", "Give me three tips for sleeping well.",
@@ -33,8 +33,8 @@ QUESTIONS = ["Tell me about Richard Feynman.", "What is the capital of France?",
 
 
 def register_args(p) -> None:
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE)
     p.add_argument("--concurrency", type=int, default=16, help="chats in flight at once")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per chat")
     p.add_argument("--json", default=None, help="also write the result JSON here")

@@ -7,7 +7,7 @@ import statistics
 import torch
 
 from detgate.contract.constants import MODES
-from detgate.provenance import git_commit, utc_now, versions
+from detgate.contract.provenance import git_commit, utc_now, versions
 
 # Cost reference on CUDA: default mode with our paged attention kernel instead of gathered K/V
 # + torch SDPA, so the ratio can also be read with the same attention on both sides (what the

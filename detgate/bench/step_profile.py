@@ -22,10 +22,10 @@ import torch
 
 from detgate.bench.report import environment
 from detgate.contract.constants import MODES
-from worker.engine.attention_metadata import AttentionMetadata
-from worker.engine.config import EngineConfig
-from worker.engine.engine import Engine
-from worker.tools.random_model import load_random
+from detgate.worker.engine.config import EngineConfig
+from detgate.worker.engine.engine import Engine
+from detgate.worker.model.attention_metadata import AttentionMetadata
+from detgate.worker.tools.random_model import load_random
 
 KINDS = (("attention", ("attn", "combine", "store_kv")),
          ("matmul", ("matmul", "gemm", "nvjet", "cutlass", "sm90", "cublas", "splitk")),

@@ -67,6 +67,14 @@ def compare_sequences(a: Sequence, logprobs_a: Logprobs | None, b: Sequence,
     return SequenceComparison(first, diffs, match)
 
 
+def _same_prompt(a: RecordChoice, b: RecordChoice) -> bool:
+    """An echoed prompt's logprobs are part of a match: the same ids, every logprob's bits."""
+    if a.prompt_logprobs is None:
+        return True
+    return (b.prompt_logprobs is not None and a.prompt_token_ids == b.prompt_token_ids
+            and same_bits(a.prompt_logprobs, b.prompt_logprobs))
+
+
 @dataclass(frozen=True)
 class Comparison:
     """The measures of a replay against its record (the contract's comparison)."""
@@ -105,7 +113,7 @@ def compare_choices(original: Sequence[RecordChoice], replay: Sequence[RecordCho
         pair = compare_sequences(ids_a, choice.logprobs, ids_b, other.logprobs)
         if pair.first_divergence is not None:
             divergences.append(pair.first_divergence)
-        match = match and pair.match
+        match = match and pair.match and _same_prompt(choice, other)
         diffs.extend(pair.diffs)
         compared += max(len(ids_a), len(ids_b))
         positions += max(len(ids_a), len(ids_b))

@@ -21,11 +21,19 @@ class RecordChoice:
     # text, and the alternatives per position as [{"token", "logprob"}, ...].
     tokens: list[str | None] | None = None
     top_logprobs: list[list[dict[str, Any]]] | None = None
+    # A chat answer's tool calls (OpenAI's `tool_calls`), as the client got them.
+    tool_calls: list[dict[str, Any]] | None = None
+    # An echoed prompt (completions' `echo`): its token ids and each one's logprob (None for
+    # the first), compared on replay like the generated ones.
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[float | None] | None = None
+
+    _OPTIONAL = ("tokens", "top_logprobs", "tool_calls", "prompt_token_ids", "prompt_logprobs")
 
     def as_dict(self) -> dict[str, Any]:
         out = {"index": self.index, "text": self.text, "finish_reason": self.finish_reason,
                "token_ids": self.token_ids, "logprobs": self.logprobs}
-        for name in ("tokens", "top_logprobs"):
+        for name in self._OPTIONAL:
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         return out
@@ -34,8 +42,8 @@ class RecordChoice:
     def from_dict(cls, d: dict[str, Any]) -> RecordChoice:
         return cls(index=d.get("index", 0), text=d.get("text") or "",
                    finish_reason=d.get("finish_reason"), token_ids=d.get("token_ids"),
-                   logprobs=list(d.get("logprobs") or []), tokens=d.get("tokens"),
-                   top_logprobs=d.get("top_logprobs"))
+                   logprobs=list(d.get("logprobs") or []),
+                   **{name: d.get(name) for name in cls._OPTIONAL})
 
 
 @dataclass
@@ -56,6 +64,10 @@ class Record:
     error: str | None = None
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[Any] | None = None
+    # The machine of the worker that answered (CPU, threads, versions: what its /v1/models
+    # card says), for people: the fingerprint alone decides where a record may replay. None
+    # for vLLM workers and records stored before the field existed.
+    machine: dict[str, Any] | None = None
     replays: list[dict[str, Any]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -66,7 +78,7 @@ class Record:
             "model": self.model, "request": self.request, "worker": self.worker,
             "system_fingerprint": self.system_fingerprint, "status": self.status,
             "choices": [c.as_dict() for c in self.choices], "usage": self.usage}
-        for name in ("error", "prompt_token_ids", "prompt_logprobs"):
+        for name in ("error", "prompt_token_ids", "prompt_logprobs", "machine"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         return out
@@ -80,4 +92,5 @@ class Record:
             choices=[RecordChoice.from_dict(c) for c in d.get("choices") or []],
             usage=d.get("usage"), error=d.get("error"),
             prompt_token_ids=d.get("prompt_token_ids"),
-            prompt_logprobs=d.get("prompt_logprobs"), replays=list(d.get("replays") or []))
+            prompt_logprobs=d.get("prompt_logprobs"), machine=d.get("machine"),
+            replays=list(d.get("replays") or []))

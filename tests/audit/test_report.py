@@ -8,13 +8,13 @@ import matplotlib.image
 import pytest
 from rich.console import Console
 
-from detgate.audit.analysis import analyse
 from detgate.audit.client import ClientStats
 from detgate.audit.plots import write_plots
 from detgate.audit.report import render_terminal, write_json, write_markdown
 from detgate.audit.result import AuditResult, AuditSettings
 from detgate.audit.runner import Collected
 from detgate.audit.sample import Sample
+from detgate.contract.analysis import analyse
 
 CONTRACT_FIELDS = {"n", "unique_completions", "most_common_count", "first_divergence",
                    "logprob_mse_mean", "max_abs_logprob_diff"}

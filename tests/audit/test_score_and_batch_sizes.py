@@ -1,4 +1,4 @@
-"""Teacher-forced comparison and the worker's batch-size histogram, on fixed inputs."""
+"""The audit's teacher-forced report and the worker's batch-size histogram, on fixed inputs."""
 
 from __future__ import annotations
 
@@ -8,31 +8,16 @@ import pytest
 
 from detgate.audit.batch_sizes import batch_sizes, find_histogram
 from detgate.audit.sample import Sample
-from detgate.audit.score import ScoreReport, compare_to_teacher, scorable
+from detgate.audit.score import ScoreReport, scorable
+from detgate.contract.analysis import compare_to_teacher
 
 
-def test_bitwise_equal_logprobs_give_zero_delta_and_zero_kl():
-    score = compare_to_teacher(0, [-0.1, -2.5, -0.003], [-0.1, -2.5, -0.003])
-    assert (score.tokens, score.max_abs_logprob_diff, score.sum_logprob_diff) == (3, 0.0, 0.0)
-    assert score.exact
-
-
-def test_kl_estimate_is_the_mean_of_sampler_minus_trainer_over_all_tokens():
-    report = ScoreReport(scored=[compare_to_teacher(0, [-1.0, -2.0], [-1.5, -2.0]),
-                                 compare_to_teacher(1, [-1.0, None], [-0.75, -9.0])])
-    assert report.scored[1].tokens == 1  # a missing sampled logprob is skipped
-    assert report.kl_estimate == pytest.approx((0.5 + 0.0 - 0.25) / 3)
-    assert report.max_abs_logprob_diff == 0.5
-    assert report.exact == 0
-
-
-def test_length_mismatch_is_an_error():
-    with pytest.raises(ValueError):
-        compare_to_teacher(0, [-1.0], [-1.0, -2.0])
-
-
-def test_empty_report_has_no_figures():
-    assert ScoreReport().kl_estimate is None and ScoreReport().max_abs_logprob_diff is None
+def test_report_pools_its_samples_by_the_contract():
+    report = ScoreReport(scored=[(0, compare_to_teacher([-1.0, -2.0], [-1.5, -2.0])),
+                                 (1, compare_to_teacher([-1.0], [-1.0]))])
+    assert report.exact == 1
+    assert report.totals.max_abs_diff == 0.5 and report.totals.tokens == 3
+    assert ScoreReport().totals.kl is None
 
 
 def test_only_samples_with_ids_and_logprobs_are_scorable():

@@ -11,11 +11,11 @@ import math
 
 import pytest
 
-from detgate.audit.analysis import analyse
 from detgate.audit.client import parse_response
+from detgate.contract.analysis import analyse
 from detgate.contract.compare import compare_choices
-from gateway import responses
-from worker.engine.offline import Completion, determinism_measures
+from detgate.gateway import responses
+from detgate.worker.engine.offline import Completion, determinism_measures
 
 
 def answer(ids: list[int], logprobs: list[float]) -> dict:

@@ -9,9 +9,9 @@ from urllib.parse import urlparse
 
 import yaml
 
-from gateway.metrics import Metrics
+from detgate.gateway.metrics import Metrics
+from detgate.worker.server.metrics import WorkerMetrics
 from tests.deploy.conftest import DASHBOARD, DATASOURCES, DEPLOY, dashboard_targets
-from worker.server.metrics import WorkerMetrics
 
 # What an operator must see at a glance (the titles the dashboard is reviewed against).
 REQUIRED_PANELS = {

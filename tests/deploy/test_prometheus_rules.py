@@ -7,7 +7,7 @@ import subprocess
 
 import yaml
 
-from gateway.metrics import Metrics
+from detgate.gateway.metrics import Metrics
 from tests.deploy.conftest import PROMETHEUS_DIR, promtool
 
 RULES = PROMETHEUS_DIR / "rules" / "detgate.yml"

@@ -114,13 +114,14 @@ def vllm_worker_module() -> Iterator[VllmFixtureWorker]:
 
 @pytest.fixture(scope="module")
 def start_workers_module(tiny_model, tmp_path_factory) -> Iterator:
-    """`start(modes)` -> built-in worker processes serving the demo model, one per mode. When
+    """`start(modes, extra=())` -> built-in worker processes serving the demo model, one per
+    mode (`extra`: more flags). When
     the module's tests are done, every process in the returned lists is stopped: a test that
     restarts a worker puts the new process in its place."""
     started: list[list[Proc]] = []
 
-    def start(modes: list[str]) -> list[Proc]:
-        procs = _start_workers(tiny_model, tmp_path_factory.mktemp("workers"), modes)
+    def start(modes: list[str], extra: tuple[str, ...] = ()) -> list[Proc]:
+        procs = _start_workers(tiny_model, tmp_path_factory.mktemp("workers"), modes, extra)
         started.append(procs)
         return procs
 
@@ -130,13 +131,15 @@ def start_workers_module(tiny_model, tmp_path_factory) -> Iterator:
             proc.stop()
 
 
-def _start_workers(model_dir: Path, log_dir: Path, modes: list[str]) -> list[Proc]:
-    """Built-in worker processes, started together (each takes seconds to load torch)."""
+def _start_workers(model_dir: Path, log_dir: Path, modes: list[str],
+                   extra: tuple[str, ...] = ()) -> list[Proc]:
+    """Built-in worker processes, started together (each takes seconds to load torch);
+    `extra`: more flags for each."""
     procs = []
     for mode in modes:
         port = free_port()
         procs.append(Proc(detgate_cmd("worker", "--model", str(model_dir), "--mode", mode,
-                                      "--port", str(port)),
+                                      "--port", str(port), *extra),
                           f"http://127.0.0.1:{port}", log_dir / f"worker-{port}.log"))
     errors: list[BaseException] = []
 

@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
-from gateway.auth import Authenticator
-from gateway.errors import Unauthorized
+from detgate.gateway.auth import Authenticator
+from detgate.gateway.errors import Unauthorized
 from tests.support.procs import detgate_cmd
 
 KEYS = "alice:sk-alice-0123456789,bob:sk-bob-9876543210"
@@ -21,8 +21,11 @@ def test_authenticator_keeps_only_hashes():
     assert "sk-alice" not in repr(auth)
     assert auth.tenant("Bearer sk-alice-0123456789") == "alice"
     assert auth.tenant("Bearer sk-bob-9876543210") == "bob"
+    # The scheme is case-insensitive (RFC 9110); the key is not.
+    for scheme in ("bearer", "BEARER", "BeArEr"):
+        assert auth.tenant(f"{scheme} sk-alice-0123456789") == "alice"
     for header in (None, "", "Bearer ", "Bearer sk-alice", "Basic sk-alice-0123456789",
-                   "sk-alice-0123456789"):
+                   "sk-alice-0123456789", "Bearer SK-ALICE-0123456789", "bearer"):
         with pytest.raises(Unauthorized):
             auth.tenant(header)
 

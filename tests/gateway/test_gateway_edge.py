@@ -176,3 +176,36 @@ def test_openapi_document(gw):
     assert doc["openapi"].startswith("3.")
     assert {"/v1/chat/completions", "/v1/completions", "/v1/requests", "/replay/{record_id}",
             "/v1/score", "/readyz"} <= set(doc["paths"])
+
+
+def test_oversize_chunked_body_is_cut_at_the_limit(gw):
+    """A chunked body with no declared length, sent on and on: 413 once past the limit
+    (1 MiB) and the connection closed, instead of reading all 200 MB first."""
+    s = connect(gw)
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+              b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+    chunk = b"x" * 65536
+    framed = b"%x\r\n%s\r\n" % (len(chunk), chunk)
+    sent = 0
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError, TimeoutError):
+        s.settimeout(5)
+        while sent < 200 << 20:
+            s.sendall(framed)
+            sent += len(chunk)
+    raw = read_all(s)
+    s.close()
+    print(f"chunked body: {sent} bytes accepted before the connection closed")
+    assert sent < 32 << 20  # the limit plus what socket buffers hold
+    if raw:  # the 413 arrives unless the reset overtook it
+        assert assert_shape(raw, 413)["code"] == "request_too_large"
+
+
+def test_websocket_upgrade_gets_the_error_shape(gw):
+    s = connect(gw)
+    s.sendall(b"GET /v1/realtime HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: Upgrade\r\n"
+              b"Upgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
+              b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
+    raw = read_all(s)  # the answer, then the close after the 1 s keep-alive
+    s.close()
+    assert assert_shape(raw, 404)["type"] == "invalid_request_error"
+    assert b"content-type: application/json" in raw.lower()

@@ -22,6 +22,7 @@ import orjson
 import pytest
 import redis
 
+from detgate.gateway.keys import Keys
 from tests.gateway.test_gateway_redis_outage import OwnRedis
 
 REC = "X-Detgate-Record-Id"
@@ -51,9 +52,11 @@ def events(raw: bytes) -> list[bytes]:
     return [line[6:] for line in raw.splitlines() if line.startswith(b"data: ")]
 
 
-def send(base: str, payload: dict) -> dict:
-    """One request; what the client was told: status, record id, success claimed."""
-    with httpx.Client(base_url=base, timeout=120) as http:
+def send(base: str, payload: dict, key: str | None = None) -> dict:
+    """One request (`key`: the tenant's API key); what the client was told: status, record id,
+    success claimed."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    with httpx.Client(base_url=base, timeout=120, headers=headers) as http:
         if not payload["stream"]:
             r = http.post(CHAT, json=payload)
             out = {"status": r.status_code, "id": r.headers.get(REC), "ok": r.status_code == 200,
@@ -85,7 +88,7 @@ def lost_records(gw, outcomes: list[dict]) -> list[str]:
     client = redis.Redis.from_url(gw.redis_url)
     try:
         return [o["id"] for o in outcomes if o["ok"]
-                and client.get(f"{gw.prefix}:rec:default:{o['id']}") is None]
+                and client.get(Keys(gw.prefix).record("default", o["id"])) is None]
     finally:
         client.close()
 
@@ -122,7 +125,28 @@ def test_redis_kill9_under_load_loses_no_record(start_gateway, start_worker, own
             assert http.get(f"/v1/requests/{o['id']}").json()["status"] == "complete"
 
 
-def test_spool_full_refuses_instead_of_claiming_success(start_gateway, start_worker, own_redis):
+def _refused_properly(o: dict) -> bool:
+    """Refused without a success claim: a 503 recorder_unavailable, or a stream whose record
+    could not be made durable ending in that error event and no [DONE]."""
+    if o["status"] == 503:
+        err = orjson.loads(o["raw"]) if o.get("stream") else o["json"]
+        return err["error"]["code"] == "recorder_unavailable"
+    return bool(o.get("stream") and o["errors"]
+                and o["errors"][-1]["code"] == "recorder_unavailable"
+                and b"[DONE]" not in o["raw"])
+
+
+def finished_on(worker_url: str) -> float:
+    """Requests the worker has finished (any finish reason)."""
+    text = httpx.get(worker_url + "/metrics", timeout=10).text
+    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
+               if line.startswith("detgate_worker_requests_total{"))
+
+
+def test_spool_full_refuses_before_any_work(start_gateway, start_worker, own_redis):
+    """Redis down and the spool full: requests are refused (503, or an error event without
+    [DONE]), never claimed; once the spool has no room for a record, /readyz fails and
+    requests are refused before any worker generates them."""
     worker = start_worker()
     model = model_of(worker.url)
     gw = start_gateway([worker.url], redis=own_redis.url,
@@ -130,27 +154,24 @@ def test_spool_full_refuses_instead_of_claiming_success(start_gateway, start_wor
     assert send(gw.url, body(model, 0, stream=False))["ok"]
     own_redis.kill()
     outcomes: list[dict] = []
-    refused_whole = refused_stream = None
     for i in range(1, 200):
-        o = send(gw.url, body(model, i, stream=i % 2 == 0))
-        outcomes.append(o)
-        if not o["ok"] and not o.get("stream") and o["status"] == 503:
-            refused_whole = refused_whole or o
-        if not o["ok"] and o.get("stream") and o["status"] == 200:
-            refused_stream = refused_stream or o
-        if refused_whole and refused_stream:
+        outcomes.append(send(gw.url, body(model, i, stream=i % 2 == 0)))
+        if not outcomes[-1]["ok"]:
             break
-    assert refused_whole is not None and refused_stream is not None, outcomes[-3:]
-    assert refused_whole["json"]["error"]["code"] == "recorder_unavailable"
-    assert int(refused_whole["headers"]["Retry-After"]) >= 1
-    # The stream whose record could not be made durable: an error event, and no [DONE].
-    assert refused_stream["errors"][-1]["code"] == "recorder_unavailable"
-    assert b"[DONE]" not in refused_stream["raw"]
     spooled = [o for o in outcomes if o["ok"]]
     assert spooled, "the spool took nothing before it was full"
+    assert _refused_properly(outcomes[-1]), outcomes[-1]
+    ready = httpx.get(gw.url + "/readyz", timeout=5)
+    assert ready.status_code == 503 and ready.json()["spool"]["usable"] is False, ready.text
+    generated = finished_on(worker.url)
+    refused = [send(gw.url, body(model, 1000 + i, stream=i % 2 == 0)) for i in range(6)]
+    for o in refused:
+        assert o["status"] == 503 and _refused_properly(o), o
+    assert finished_on(worker.url) == generated  # nothing generated for them
     own_redis.start()
     wait_drained(gw.url)
     assert lost_records(gw, outcomes) == []
+    assert httpx.get(gw.url + "/readyz", timeout=5).status_code == 200
 
 
 def test_spool_survives_a_gateway_restart(start_gateway, vllm_worker, own_redis, tmp_path):
@@ -189,7 +210,7 @@ def test_hung_worker_requests_are_retried_within_the_health_timeout(start_gatewa
     client = redis.Redis.from_url(gw.redis_url)
     try:
         for o in outcomes:
-            record = orjson.loads(client.get(f"{gw.prefix}:rec:default:{o['id']}"))
+            record = orjson.loads(client.get(Keys(gw.prefix).record("default", o["id"])))
             assert record["status"] == "complete" and record["worker"] == b.url
     finally:
         client.close()
@@ -202,7 +223,7 @@ def _sigterm(gw) -> None:
 def _record(gw, rid: str) -> dict:
     client = redis.Redis.from_url(gw.redis_url)
     try:
-        raw = client.get(f"{gw.prefix}:rec:default:{rid}")
+        raw = client.get(Keys(gw.prefix).record("default", rid))
         return orjson.loads(raw) if raw is not None else {}
     finally:
         client.close()

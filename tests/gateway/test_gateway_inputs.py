@@ -4,12 +4,24 @@ nothing forwarded to a worker, nothing recorded."""
 from __future__ import annotations
 
 import httpx
+import orjson
 import pytest
 
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
 MODEL = "Qwen/Qwen3-8B"
 MSG = [{"role": "user", "content": "hi"}]
+
+
+def nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+def user(content) -> list[dict]:
+    return [{"role": "user", "content": content}]
 
 
 def chat(**kw):
@@ -62,7 +74,7 @@ CASES = [
     ("seed beyond int64", "POST", CHAT, chat(seed=2 ** 64), 400),
     ("prompt missing", "POST", COMP, {"model": MODEL}, 400),
     ("prompt empty", "POST", COMP, comp(prompt=""), 400),
-    ("several prompts", "POST", COMP, comp(prompt=["a", "b"]), 400),
+    ("prompts of two kinds", "POST", COMP, comp(prompt=["a", [1, 2]]), 400),
     ("body too large", "POST", CHAT, chat(messages=[{"role": "user", "content": "x" * 70000}]),
      413),
     ("list limit not a number", "GET", "/v1/requests?limit=abc", None, 400),
@@ -139,12 +151,20 @@ CASES = [
     ("return_token_ids a string", "POST", CHAT, chat(return_token_ids="yes"), 400),
     ("top_logprobs negative", "POST", CHAT, chat(logprobs=True, top_logprobs=-1), 400),
     ("top_logprobs a string", "POST", CHAT, chat(logprobs=True, top_logprobs="2"), 400),
-    ("tools not forwarded", "POST", CHAT, chat(tools=[]), 400),
+    ("tool without a function", "POST", CHAT, chat(tools=[{"type": "function"}]), 400),
+    ("tool_choice names no tool", "POST", CHAT, chat(
+        tools=[{"type": "function", "function": {"name": "f"}}],
+        tool_choice={"type": "function", "function": {"name": "g"}}), 400),
+    ("tool_choice required without tools", "POST", CHAT, chat(tool_choice="required"), 400),
+    ("json_schema without a schema", "POST", CHAT, chat(
+        response_format={"type": "json_schema", "json_schema": {"name": "x"}}), 400),
     ("response_format not forwarded", "POST", CHAT, chat(response_format={"type": "json"}), 400),
     ("logit_bias not forwarded", "POST", CHAT, chat(logit_bias={"1": 5}), 400),
     ("completion logprobs negative", "POST", COMP, comp(logprobs=-1), 400),
     ("completion logprobs a bool", "POST", COMP, comp(logprobs=True), 400),
-    ("completion echo", "POST", COMP, comp(echo=True), 400),
+    ("completion echo streamed", "POST", COMP, comp(echo=True, stream=True), 400),
+    ("min_tokens negative", "POST", COMP, comp(min_tokens=-1), 400),
+    ("ignore_eos a string", "POST", COMP, comp(ignore_eos="yes"), 400),
     ("completion suffix", "POST", COMP, comp(suffix="x"), 400),
     ("completion best_of", "POST", COMP, comp(best_of=2), 400),
     ("prompt a number", "POST", COMP, comp(prompt=5), 400),
@@ -152,7 +172,7 @@ CASES = [
     ("prompt empty token list", "POST", COMP, comp(prompt=[]), 400),
     ("prompt negative token", "POST", COMP, comp(prompt=[1, -1]), 400),
     ("prompt float tokens", "POST", COMP, comp(prompt=[1.5]), 400),
-    ("prompt list of token lists", "POST", COMP, comp(prompt=[[1, 2]]), 400),
+    ("more prompts than max_n", "POST", COMP, comp(prompt=[[1, 2]] * 17), 400),
     ("prompt_logprobs negative", "POST", COMP, comp(prompt_logprobs=-1), 400),
     ("completion messages field", "POST", COMP, comp(messages=MSG), 400),
     ("chat prompt field", "POST", CHAT, chat(prompt="x"), 400),
@@ -182,6 +202,23 @@ CASES = [
     ("delete a record", "DELETE", "/v1/requests/chatcmpl-x", None, 405),
     ("options preflight", "OPTIONS", CHAT, None, 405),
     ("unknown v1 path", "GET", "/v1/files", None, 404),
+    # Issue 22: what a worker would refuse, refused here, and inputs that were a 500.
+    ("stop sequence too long", "POST", CHAT, chat(stop="x" * 257), 400),
+    ("one of the stops too long", "POST", COMP, comp(stop=["a", "y" * 1000]), 400),
+    ("image content part", "POST", CHAT, chat(messages=user(
+        [{"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}])), 400),
+    ("audio content part", "POST", CHAT, chat(messages=user(
+        [{"type": "text", "text": "hi"}, {"type": "input_audio", "input_audio": {}}])), 400),
+    ("text part without text", "POST", CHAT, chat(messages=user([{"type": "text"}])), 400),
+    ("text part with an extra key", "POST", CHAT, chat(messages=user(
+        [{"type": "text", "text": "hi", "cache": {"a": 1}}])), 400),
+    ("content nested 300 deep", "POST", CHAT, chat(messages=user(nested(300))), 400),
+    ("message field nested 300 deep", "POST", CHAT, chat(messages=[
+        {"role": "user", "content": "x", "name": nested(300)}]), 400),
+    ("message field nested 65 deep", "POST", CHAT, chat(messages=[
+        {"role": "user", "content": "x", "name": nested(65)}]), 400),
+    ("prompt nested 1100 deep", "POST", COMP,
+     b'{"model": "%s", "prompt": ' % MODEL.encode() + b"[" * 1100 + b"]" * 1100 + b"}", 400),
 ]
 
 
@@ -254,3 +291,71 @@ def test_worker_refuses_a_lone_surrogate_and_top_p_keeps_the_top_token(start_wor
             "top_p": 1e-300, "seed": 3, "return_token_ids": True}).json()
         assert tiny_p["choices"][0]["token_ids"] == greedy["choices"][0]["token_ids"]
         assert http.get("/health").status_code == 200
+
+
+def test_every_unknown_parameter_is_named_at_once(gateway_and_worker):
+    """A client that sends two fields the gateway does not forward learns of both in one
+    400, not one per attempt."""
+    gw, worker = gateway_and_worker
+    forwarded = len(worker.forwarded())
+    with gw.http() as http:
+        r = http.post(CHAT, json=chat(foo=1, bar={"x": 2}, stream_options=None))
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert "'foo'" in err["message"] and "'bar'" in err["message"], err
+    assert err["code"] == "unknown_parameter" and err["param"] in ("foo", "bar")
+    assert len(worker.forwarded()) == forwarded
+
+
+def _finished(worker_url: str) -> float:
+    text = httpx.get(worker_url + "/metrics", timeout=10).text
+    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
+               if line.startswith("detgate_worker_requests_total{"))
+
+
+def test_what_the_worker_would_refuse_is_refused_before_forwarding(start_gateway,
+                                                                   start_worker):
+    """Against a real worker (its card: context 2048 tokens, its vocabulary, the parameters
+    it refuses): each case is a 4xx from the gateway, the worker generates nothing, and at
+    most a bounded summary is stored. They were forwarded, refused by the worker and stored
+    whole (a 1 MB prompt as a 1,048,680-byte record)."""
+    worker = start_worker()
+    card = httpx.get(worker.url + "/v1/models").json()["data"][0]
+    model, context, vocab = card["id"], card["max_model_len"], card["vocab_size"]
+    gw = start_gateway([worker.url], env={"DETGATE_MAX_BODY_BYTES": str(2 << 20)})
+    cases = {
+        "1 MB text prompt": (COMP, {"model": model, "prompt": "word " * 200_000}),
+        "1 MB chat message": (CHAT, {"model": model, "messages": user("x" * (1 << 20))}),
+        "token ids beyond the context": (COMP, {"model": model, "prompt": [5] * (context + 1)}),
+        "token id beyond the vocabulary": (COMP, {"model": model, "prompt": [1, vocab]}),
+        "max_tokens at the context": (COMP, {"model": model, "prompt": "a",
+                                             "max_tokens": context}),
+        "prompt + max_tokens beyond": (COMP, {"model": model, "prompt": [5] * 100,
+                                              "max_tokens": context - 50}),
+        "presence_penalty": (CHAT, {"model": model, "messages": MSG, "presence_penalty": 0.5}),
+        "frequency_penalty": (COMP, {"model": model, "prompt": "a", "frequency_penalty": -1}),
+        "image_url part": (CHAT, {"model": model, "messages": user(
+            [{"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}])}),
+        "a 1,000,000-character stop": (COMP, {"model": model, "prompt": "a",
+                                              "stop": "s" * 1_000_000}),
+    }
+    before = _finished(worker.url)
+    with gw.http() as http:
+        for name, (path, payload) in cases.items():
+            r = http.post(path, json=payload)
+            assert r.status_code == 400, (name, r.text)
+            assert_error_shape(r)
+        assert _finished(worker.url) == before
+        assert gw.redis_keys() == []
+        # Neutral values of the unsupported parameters are fine.
+        ok = http.post(COMP, json={"model": model, "prompt": "a", "max_tokens": 2,
+                                   "presence_penalty": 0, "frequency_penalty": 0.0})
+        assert ok.status_code == 200, ok.text
+        # Past the gateway's lower bound but over the worker's context: the worker refuses,
+        # and the record is a bounded summary, never the whole body.
+        near = http.post(COMP, json={"model": model, "prompt": "ab " * 3000,
+                                     "max_tokens": 16})
+        assert near.status_code == 400, near.text
+        rec = http.get(f"/v1/requests/{near.headers['x-detgate-record-id']}").json()
+    assert rec["status"] == "failed" and rec["summary"]["reason"] == "rejected"
+    assert len(orjson.dumps(rec)) <= 4096 < rec["summary"]["record_bytes"]

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import orjson
+import redis
 
-from gateway.recorder import Recorder
+from detgate.gateway.keys import Keys
+from detgate.gateway.recorder import Recorder
+from detgate.gateway.store import RedisTarget, Store
 from tests.gateway.test_gateway_recorder import make_record
 
 KEYS = ("alice:sk-alice-0123456789,bob:sk-bob-9876543210,carol:sk-carol-1111111111,"
@@ -144,8 +148,8 @@ def test_oversize_record_is_stored_as_a_bounded_summary(start_gateway, vllm_work
 
 async def test_storage_accounting_frees_exactly_as_records_expire(redis_url):
     ttl_s = 1
-    rec = Recorder(redis_url, prefix=f"detgate-test-acct-{time.time_ns()}", ttl_s=ttl_s,
-                   timeout_s=1.0, retry_after_s=1)
+    rec = Recorder(Store(RedisTarget.parse(redis_url), timeout_s=1.0),
+                   prefix=f"detgate-test-acct-{time.time_ns()}", ttl_s=ttl_s, retry_after_s=1)
     try:
         records = [make_record(f"cmpl-{i}", [-0.5] * (i + 1)) for i in range(3)]
         sizes = []
@@ -165,9 +169,129 @@ async def test_storage_accounting_frees_exactly_as_records_expire(redis_url):
         fresh = make_record("cmpl-3", [-0.5])
         assert (await rec.save("t", fresh)).total == len(orjson.dumps(fresh))
         for key in (rec.keys.stored("t"), rec.keys.expiries("t")):
-            assert 0 < await rec.redis.ttl(key) <= ttl_s
+            assert 0 < await rec.store.client.ttl(key) <= ttl_s
     finally:
-        keys = [k async for k in rec.redis.scan_iter(match=f"{rec.keys.prefix}:*")]
+        keys = [k async for k in rec.store.client.scan_iter(match=f"{rec.keys.prefix}:*")]
         if keys:
-            await rec.redis.delete(*keys)
+            await rec.store.client.delete(*keys)
         await rec.close()
+
+
+def _tenant_records(gw, tenant: str) -> list[dict]:
+    client = redis.Redis.from_url(gw.redis_url)
+    try:
+        prefix = Keys(gw.prefix).record(tenant, "").encode()
+        keys = [k for k in gw.redis_keys() if k.startswith(prefix)]
+        return [orjson.loads(v) for v in client.mget(keys) if v is not None] if keys else []
+    finally:
+        client.close()
+
+
+def _stored_total(gw, tenant: str) -> int:
+    client = redis.Redis.from_url(gw.redis_url)
+    try:
+        return int(client.get(Keys(gw.prefix).stored(tenant)) or 0)
+    finally:
+        client.close()
+
+
+def test_a_refusal_flood_stays_within_the_storage_budget(start_gateway, vllm_worker):
+    """1 request/s and 5,000 bytes: 300 requests in a burst, nearly all 429. Refusals are
+    stored (as summaries) only while they fit the budget, so the tenant's stored bytes stay
+    within it (a tenant of 20,000 bytes stored 112x that); the rest are counted, not stored.
+    A tenant without a budget keeps only its newest `DETGATE_REFUSAL_RING` (10) refusals."""
+    limits = {"alice": {"requests_per_s": 1, "storage_bytes": 5000, "name": "team-a"},
+              "bob": {"requests_per_s": 1}}
+    gw = start_gateway([vllm_worker.url], api_keys=KEYS,
+                       env={"DETGATE_TENANT_LIMITS": json.dumps(limits),
+                            "DETGATE_REFUSAL_RING": "10"})
+    alice, bob = gw.http("sk-alice-0123456789"), gw.http("sk-bob-9876543210")
+    codes = [_chat(alice).status_code for _ in range(300)]
+    refused = codes.count(429)
+    assert refused >= 290
+    answers = [r for r in _tenant_records(gw, "alice") if "summary" not in r]
+    largest = max(len(orjson.dumps(r)) for r in answers)
+    total = _stored_total(gw, "alice")
+    print(f"refusal flood: {refused} refused, {total} bytes stored of a 5000 budget")
+    # Refusals never take it over; only admitted answers may (one per request in flight).
+    assert total <= 5000 + largest
+    kept = [r for r in _tenant_records(gw, "alice") if r.get("summary", {}).get("reason")
+            == "refused"]
+    assert 0 < len(kept) <= 10 and all(len(orjson.dumps(r)) <= 4096 for r in kept)
+    assert gw.metric("detgate_records_total", result="skipped") >= refused - 10
+    assert sum(gw.metric("detgate_tenant_requests_total", tenant="team-a", result=code)
+               for code in ("requests_per_s_exceeded", "storage_budget_exceeded")) == refused
+
+    # No budget: the ring alone bounds what refusals store.
+    bob_codes = [_chat(bob).status_code for _ in range(50)]
+    bob_refusals = [r for r in _tenant_records(gw, "bob")
+                    if r.get("summary", {}).get("reason") == "refused"]
+    assert bob_codes.count(429) >= 40 and len(bob_refusals) == 10
+    assert _stored_total(gw, "bob") == sum(len(orjson.dumps(r))
+                                           for r in _tenant_records(gw, "bob"))
+    # The newest refusals are the ones kept, and each is readable under its id.
+    newest = bob.get("/v1/requests?limit=1").json()["data"][0]
+    assert newest["summary"]["reason"] == "refused"
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def test_replays_are_admitted_and_charged_like_requests(start_gateway, start_worker):
+    """A tenant of 2 requests/s and 50 tokens/s, its replay load capped at 8, fires 10
+    replays at load 8 at once: at most 2 run (429 for the rest, naming the limit), their
+    tokens (load included) are charged, so the next replay waits for the debt; load 9 is
+    refused. Another tenant's short requests meanwhile stay fast. Before, replays escaped
+    every limit: 10 at load 64 ran ~116,500 tokens for a 500 tokens/s tenant, and another
+    tenant's 8-token request went from 0.20 s to 23.2 s."""
+    workers = [start_worker(), start_worker()]
+    limits = {"alice": {"requests_per_s": 2, "tokens_per_s": 50, "max_replay_load": 8,
+                        "name": "team-a"}}
+    gw = start_gateway([w.url for w in workers], api_keys=KEYS,
+                       env={"DETGATE_TENANT_LIMITS": json.dumps(limits)})
+    alice, bob = gw.http("sk-alice-0123456789"), gw.http("sk-bob-9876543210")
+    model = alice.get("/v1/models").json()["data"][0]["id"]
+
+    def short(client) -> float:
+        t0 = time.monotonic()
+        r = client.post("/v1/completions", json={"model": model, "prompt": "Hi",
+                                                 "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return time.monotonic() - t0
+
+    rid = alice.post("/v1/completions", json={"model": model, "prompt": "Long story:",
+                                              "max_tokens": 32, "temperature": 0}).json()["id"]
+    baseline = [short(bob) for _ in range(5)]
+    time.sleep(1.1)  # alice's buckets refill
+    over = alice.post(f"/replay/{rid}", json={"load": 9})
+    assert over.status_code == 400 and over.json()["error"]["param"] == "load"
+    time.sleep(1.1)
+    during: list[float] = []
+    with ThreadPoolExecutor(11) as pool:
+        replays = [pool.submit(lambda: gw.http("sk-alice-0123456789").post(
+            f"/replay/{rid}", json={"load": 8})) for _ in range(10)]
+        while not all(f.done() for f in replays):
+            during.append(short(bob))
+        results = [f.result() for f in replays]
+    print(f"bob's 8-token requests: median {_median(baseline):.3f} s alone, "
+          f"{_median(during):.3f} s during alice's replays (max {max(during):.3f} s)")
+    ran = [r for r in results if r.status_code == 200]
+    refused = [r for r in results if r.status_code == 429]
+    assert 1 <= len(ran) <= 2 and len(ran) + len(refused) == 10, [r.text for r in results]
+    for r in refused:
+        assert r.json()["error"]["code"] in ("requests_per_s_exceeded", "tokens_per_s_exceeded")
+        assert int(r.headers["Retry-After"]) >= 1
+    assert all(r.json()["match"] for r in ran)
+    charged = gw.metric("detgate_tenant_tokens_total", tenant="team-a")
+    original = alice.get(f"/v1/requests/{rid}").json()["usage"]["total_tokens"]
+    # Each replay's own tokens and at least one per load request: the load is charged.
+    assert charged >= original * (1 + len(ran)) + 8 * len(ran)
+    time.sleep(1.1)  # requests/s refilled; tokens still in debt (seconds of it at 50/s)
+    again = alice.post(f"/replay/{rid}", json={"load": 8})
+    _assert_429(again, "tokens_per_s_exceeded")
+    # The comparisons are stored, and counted in alice's stored bytes.
+    assert len(alice.get(f"/v1/requests/{rid}").json()["replays"]) == len(ran)
+    assert _stored_total(gw, "alice") > sum(len(r.content) for r in ran)
+    # Stated bound: within 4x plus half a second of its latency alone (2-core CI machine).
+    assert _median(during) <= 4 * _median(baseline) + 0.5

@@ -10,15 +10,17 @@ import struct
 import pytest
 import redis as sync_redis
 
-from gateway.errors import RecorderUnavailable
-from gateway.recorder import Recorder, now
+from detgate.gateway.errors import RecorderUnavailable
+from detgate.gateway.recorder import Recorder, now
+from detgate.gateway.store import RedisTarget, Store
 from tests.support.floats import bits
 
 
 @pytest.fixture
 async def recorder(redis_url):
     prefix = f"detgate-test-{secrets.token_hex(4)}"
-    rec = Recorder(redis_url, prefix=prefix, ttl_s=3600, timeout_s=1.0, retry_after_s=1)
+    rec = Recorder(Store(RedisTarget.parse(redis_url), timeout_s=1.0), prefix=prefix,
+                   ttl_s=3600, retry_after_s=1)
     yield rec
     await rec.close()
     client = sync_redis.Redis.from_url(redis_url)
@@ -112,11 +114,13 @@ async def test_listing_drops_index_entries_older_than_the_ttl(recorder):
     await recorder.save("t1", make_record("cmpl-old", [-1.0], created=now() - 3600 - 60))
     await recorder.save("t1", make_record("cmpl-new", [-1.0]))
     assert [r["id"] for r in (await recorder.list("t1", 10)).data] == ["cmpl-new"]
-    assert await recorder.redis.zrange(recorder.keys.index("t1"), 0, -1) == [b"cmpl-new"]
+    assert await recorder.store.call("ZRANGE", recorder.keys.index("t1"), 0, -1) \
+        == [b"cmpl-new"]
 
 
 async def test_redis_down_marks_unavailable_with_retry_after():
-    rec = Recorder("redis://127.0.0.1:1/0", prefix="x", ttl_s=60, timeout_s=0.5, retry_after_s=2)
+    rec = Recorder(Store(RedisTarget.parse("redis://127.0.0.1:1/0"), timeout_s=0.5), prefix="x",
+                   ttl_s=60, retry_after_s=2)
     with pytest.raises(RecorderUnavailable) as info:
         await rec.save("t", make_record("cmpl-z", [-1.0]))
     assert info.value.headers["Retry-After"] == "2"

@@ -18,7 +18,7 @@ import orjson
 import pytest
 import redis
 
-from gateway.keys import Keys
+from detgate.gateway.keys import Keys
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 KEYS = "team-a:key-a,team-b:key-b"
@@ -185,7 +185,7 @@ class Page:
         assert self.d.execute_script("return window.__violations") == []
         assert self.all("img, iframe, object, embed") == []
         assert [s.get_attribute("src") for s in self.all("script")] == [
-            f"{self.base}/ui/app.js"]
+            f"{self.base}/ui/drift.js", f"{self.base}/ui/app.js"]
         for a in self.all("a"):
             assert a.get_attribute("href").startswith(f"{self.base}/ui/#/"), \
                 a.get_attribute("href")
@@ -263,6 +263,9 @@ def test_list_record_and_replay_now_show_an_exact_match(page, gw, model):
     assert "What happened in Queens, New York?" in page.text("#request")
     assert page.text("#param-temperature") == "0"
     assert page.text("#fingerprint") == rec["system_fingerprint"]
+    threads = rec["machine"]["torch_threads"]
+    assert rec["machine"]["cpu"] in page.text("#machine") and f"{threads} threads" in \
+        page.text("#machine")
     choice = rec["choices"][0]
     chips = page.all("#answer .tok")
     assert len(chips) == len(choice["token_ids"])
@@ -283,6 +286,7 @@ def test_list_record_and_replay_now_show_an_exact_match(page, gw, model):
     assert len(page.all("#delta-chart circle.zero")) == len(choice["token_ids"])
     assert page.all("#delta-chart rect.bar") == []
     assert "16 other requests" in page.text("#load")
+    assert f"{threads} threads" in page.text("#replay-machine")
     page.shot("03-comparison-exact-match")
 
     page.open("#/?replay=match")
@@ -349,6 +353,7 @@ def hostile_record(gw, tenant: str) -> str:
     record = {"id": rid, "created": 1764500000.123, "endpoint": "/v1/chat/completions",
               "model": HOSTILE[0], "worker": HOSTILE[3], "system_fingerprint": HOSTILE[1],
               "status": "complete", "error": HOSTILE[2],
+              "machine": {"cpu": HOSTILE[0], "isa_class": HOSTILE[2], "torch_threads": 2},
               "request": {"model": HOSTILE[0], "temperature": 0, "stop": HOSTILE[3],
                           "messages": [{"role": "user", "content": text},
                                        {"role": "system", "content": [
@@ -360,6 +365,7 @@ def hostile_record(gw, tenant: str) -> str:
                   "logprob_mse": 5e-15, "max_abs_logprob_diff": 1e-7,
                   "original_fingerprint": HOSTILE[1], "replay_fingerprint": HOSTILE[0],
                   "worker": HOSTILE[3], "load": 3, "created": 1764500001.0,
+                  "original_machine": {"cpu": HOSTILE[0]}, "replay_machine": {"gpu": HOSTILE[1]},
                   "replay_choices": [other]}
     keys = Keys(gw.prefix)
     client = redis.Redis.from_url(gw.redis_url)
@@ -393,6 +399,7 @@ def test_hostile_strings_render_as_text_and_run_nothing(page, gw, model):
     for h in HOSTILE:
         assert h in body, h
     assert page.text("#fingerprint") == HOSTILE[1]
+    assert HOSTILE[0] in page.text("#machine") and HOSTILE[2] in page.text("#machine")
     assert json.dumps(HOSTILE[0]) in page.hover("#tok-0-0")  # JSON-quoted in the card
     page.shot("05-hostile-record")
     page.assert_nothing_ran()
@@ -428,3 +435,27 @@ def test_another_tenants_record_is_not_found(page, gw, model):
     page.click("#forget-key")  # the key leaves the tab; the API asks for one again
     page.wait("#api-key")
     assert page.d.execute_script("return sessionStorage.getItem('detgate.apiKey')") is None
+
+
+def test_drift_page_shows_the_last_report(page, gw, model):
+    """The tenant's last drift report (here: its records replayed on their own fingerprint,
+    so every one reproduces); a tenant without one is told how to make it."""
+    rid = chat(gw, "key-a", "drift page")
+    fp = api_record(gw, "key-a", rid)["system_fingerprint"]
+    with gw.http("key-a") as http:
+        r = http.post("/v1/drift", json={"from_fingerprint": fp, "to_fingerprint": fp,
+                                         "sample": 3})
+    assert r.status_code == 200, r.text
+    report = r.json()
+    page.open("#/drift")
+    page.enter_key("key-a")
+    summary = page.text("#drift-summary")
+    assert "every record reproduces" in summary and fp in summary
+    shares = [c.text for c in page.all("#drift-groups td.share")]
+    assert shares[0] == f"100.0% ({report['selected']}/{report['selected']})"
+    assert page.all("#drift-records") == []
+    page.shot("08-drift")
+    page.assert_nothing_ran()
+    page.d.execute_script("sessionStorage.setItem('detgate.apiKey', 'key-b')")
+    page.open("#/drift")
+    assert "No drift report yet" in page.text("#no-drift")

@@ -13,9 +13,9 @@ import openai
 import orjson
 import pytest
 
-from gateway.config import Settings
-from gateway.metrics import ENDPOINTS
-from gateway.router import derived_fingerprint
+from detgate.gateway.config import Settings
+from detgate.gateway.metrics import ENDPOINTS
+from detgate.gateway.router import derived_fingerprint
 from tests.gateway.vllm_worker import VllmFixtureWorker, fixture, sse_payloads
 from tests.support.floats import bits
 
@@ -196,16 +196,25 @@ def test_one_retry_on_another_worker_and_never_more(start_gateway, vllm_worker):
         other.stop()
 
 
-def test_attempt_timeout_gives_504_and_a_failed_record(start_gateway, vllm_worker):
-    gw = start_gateway([vllm_worker.url], env={"DETGATE_ATTEMPT_TIMEOUT_S": "0.5"})
+def test_whole_answer_timeout_follows_the_tokens_asked(start_gateway, vllm_worker):
+    """A whole answer may take first_byte + token_timeout x max_tokens x n: 0.66 s for 16
+    tokens (a 504, a failed record), 3.5 s for 300 (the same 3 s worker answers). A flat
+    attempt timeout would cut both or neither; and a timeout never ejects the worker."""
+    gw = start_gateway([vllm_worker.url], env={"DETGATE_FIRST_BYTE_TIMEOUT_S": "0.5",
+                                               "DETGATE_TOKEN_TIMEOUT_S": "0.01"})
     vllm_worker.delay_s = 3.0
     with gw.http() as http:
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": "slow"})
         assert r.status_code == 504
         assert r.json()["error"]["code"] == "upstream_timeout"
         rec = http.get(f"/v1/requests/{r.headers['x-detgate-record-id']}").json()
-    assert rec["status"] == "failed" and rec["choices"] == []
-    assert len(vllm_worker.forwarded()) == 1  # the only worker: no second attempt
+        assert rec["status"] == "failed" and rec["choices"] == []
+        assert len(vllm_worker.forwarded()) == 1  # the only worker: no second attempt
+        long = http.post("/v1/completions", json={"model": MODEL, "prompt": "slow",
+                                                  "max_tokens": 300})
+        assert long.status_code == 200, long.text
+    assert gw.metric("detgate_worker_up", worker=vllm_worker.url) == 1
+    assert "ejected" not in gw.proc.log()
 
 
 def test_replay_needs_a_worker_with_the_same_fingerprint(start_gateway, vllm_worker):
@@ -230,11 +239,13 @@ def test_worker_dying_mid_stream_is_an_error_event_and_a_failed_record(setup):
             "messages": [{"role": "user", "content": "trigger-break"}]}) as r:
         rid = r.headers["x-detgate-record-id"]
         events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]", events
-    assert orjson.loads(events[-2])["error"]["type"] == "upstream_error"
+    # Cut after its first bytes: an error event ends it, never `[DONE]` (a client that
+    # takes `[DONE]` for success would keep a truncated answer).
+    assert "[DONE]" not in events, events
+    assert orjson.loads(events[-1])["error"]["type"] == "upstream_error"
     rec = record(gw, rid)
     assert rec["status"] == "failed" and rec["choices"][0]["token_ids"] == [9707]
-    # Ejected on the broken stream; back as soon as its health check passes.
+    # Its health check passes (only the connection was cut): in rotation.
     deadline = time.monotonic() + 30
     while gw.metric("detgate_worker_up", worker=worker.url) != 1:
         assert time.monotonic() < deadline
@@ -256,6 +267,15 @@ CONTRACT_METRICS = {
     # bounded summaries.
     "detgate_tenant_requests_total": "counter", "detgate_tenant_tokens_total": "counter",
     "detgate_tenant_stored_bytes": "gauge", "detgate_records_summarised_total": "counter",
+    # Lookups of DNS worker names, and each tenant's last drift report.
+    "detgate_dns_lookups_total": "counter", "detgate_drift_records": "gauge",
+    "detgate_drift_identical_ratio": "gauge", "detgate_drift_logprob_mse": "gauge",
+    "detgate_drift_max_abs_logprob_diff": "gauge",
+    "detgate_drift_last_run_timestamp_seconds": "gauge",
+    # Admission and connections: worker capacity, the gateway's queue, requests sent again
+    # on a fresh connection.
+    "detgate_worker_capacity": "gauge", "detgate_queue_depth": "gauge",
+    "detgate_upstream_reconnects_total": "counter",
 }
 
 

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import torch
 
-from kernels import attention, reference
+from detgate.kernels import attention, reference
 
 # An implementation: anything with `store_kv` and `paged_attention` as kernels.attention has.
 Impl = SimpleNamespace

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from detgate.kernels.bits import same_bits
 from tests.kernels.paged_cases import (
     chunked_prefill,
     make_world,
@@ -42,14 +43,14 @@ def test_sequence_alone_equals_sequence_among_many(hq, hkv, d, dtype):
     world = make_world(lens, hq, hkv, d, 16, dtype, seed=3)
     among = prefill(world, list(range(len(lens))))
     alone = prefill(world.fresh_cache(), [0])
-    assert torch.equal(alone[0], among[0])
+    assert same_bits(alone[0], among[0])
     # Decode steps: the needle alone, then in the middle of a batch of other decodes.
     for pos in (0, 17, 63, 89):
         alone_dec = step(world, [(0, pos, pos + 1)])[0]
         batch = [(i, n - 1, n) for i, n in enumerate(lens) if i] + [(0, pos, pos + 1)]
         batch = batch[5:] + batch[:5]
         among_dec = step(world, batch)[batch.index((0, pos, pos + 1))]
-        assert torch.equal(alone_dec, among_dec) and torch.equal(alone_dec, among[0][pos:pos + 1])
+        assert same_bits(alone_dec, among_dec) and same_bits(alone_dec, among[0][pos:pos + 1])
 
 
 @pytest.mark.parametrize(("hq", "hkv", "d", "dtype"), CONFIGS)
@@ -57,7 +58,7 @@ def test_decode_equals_same_position_in_prefill(hq, hkv, d, dtype):
     world = make_world([150], hq, hkv, d, 32, dtype, seed=5)
     full = prefill(world, [0])[0]
     for pos in [*range(0, 150, 3), 149]:
-        assert torch.equal(step(world, [(0, pos, pos + 1)])[0], full[pos:pos + 1]), pos
+        assert same_bits(step(world, [(0, pos, pos + 1)])[0], full[pos:pos + 1]), pos
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -65,7 +66,7 @@ def test_decode_equals_same_position_in_prefill(hq, hkv, d, dtype):
 def test_chunked_prefill_equals_fresh_prefill(dtype, splits):
     world = make_world([128], 8, 2, 64, 32, dtype, seed=11)
     fresh = prefill(world, [0])[0]
-    assert torch.equal(chunked_prefill(world, splits), fresh)
+    assert same_bits(chunked_prefill(world, splits), fresh)
 
 
 def test_chunked_prefill_inside_a_mixed_batch():
@@ -74,7 +75,7 @@ def test_chunked_prefill_inside_a_mixed_batch():
     fresh = prefill(world, [0, 1, 2])
     chunked = prefill(world.fresh_cache(), [0, 1, 2], chunk=48)
     for a, b in zip(fresh, chunked, strict=True):
-        assert torch.equal(a, b)
+        assert same_bits(a, b)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -83,7 +84,7 @@ def test_block_size_does_not_change_bits(dtype):
     base = prefill(world, [0, 1])
     for block_size in (32, 64):
         other = prefill(with_block_size(world, block_size), [0, 1])
-        assert all(torch.equal(a, b) for a, b in zip(base, other, strict=True)), block_size
+        assert all(same_bits(a, b) for a, b in zip(base, other, strict=True)), block_size
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -110,20 +111,20 @@ def test_bits_do_not_depend_on_the_batch_shape(dtype):
         outs.append(got[batch.index(seq)])
         for (i, s, e), out in zip(batch, got, strict=True):
             if i:
-                assert torch.equal(out, others[i - 1][s:e]), (n, i)
+                assert same_bits(out, others[i - 1][s:e]), (n, i)
         start += size
-    assert torch.equal(torch.cat(outs), fresh[:start])
+    assert same_bits(torch.cat(outs), fresh[:start])
 
 
 def test_store_kv_skips_negative_slots():
     world = make_world([20], 4, 2, 16, 16, torch.float32)
-    from kernels.attention import store_kv
+    from detgate.kernels.attention import store_kv
 
     k = torch.randn(3, 2, 16)
     slots = torch.tensor([5, -1, 7])
     store_kv(k, k, world.k_cache, world.v_cache, slots)
     flat = world.k_cache.flatten(0, 1)
-    assert torch.equal(flat[5], k[0]) and torch.equal(flat[7], k[2])
+    assert same_bits(flat[5], k[0]) and same_bits(flat[7], k[2])
     assert flat[6].isnan().all()
 
 
@@ -134,7 +135,7 @@ def test_sdpa_is_not_invariant_between_decode_and_prefill(dtype):
     gen = torch.Generator().manual_seed(19)
     q, k, v = (torch.randn(1, 8, 300, 64, generator=gen).to(dtype) for _ in range(3))
     full = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    differing = [p for p in range(0, 300, 7) if not torch.equal(
+    differing = [p for p in range(0, 300, 7) if not same_bits(
         F.scaled_dot_product_attention(q[:, :, p:p + 1], k[:, :, :p + 1], v[:, :, :p + 1]),
         full[:, :, p:p + 1])]
     assert differing

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_tiles import CONFIGS, FIELDS, config_name
+from detgate.kernels.attention_tiles import CONFIGS, FIELDS, config_name
+from detgate.kernels.bits import same_bits
 from tests.kernels.paged_cases import (
     Impl,
     chunked_prefill,
@@ -31,7 +32,7 @@ HQ, HKV, D = 32, 8, 128
 @pytest.fixture(params=CONFIGS, ids=config_name)
 def at(request, monkeypatch):
     """The kernel module under each tile configuration the benchmark times."""
-    module = import_module("kernels.attention_triton")
+    module = import_module("detgate.kernels.attention_triton")
     for name, value in zip(FIELDS, request.param, strict=True):
         monkeypatch.setattr(module, name, value)
     return module
@@ -49,7 +50,7 @@ def test_matches_reference_both_launches(at):
     fused = prefill(world, [0, 1, 2, 3], impl=_impl(at, False))
     split = prefill(world, [0, 1, 2, 3], impl=_impl(at, True))
     for i in range(len(lens)):
-        assert torch.equal(fused[i], split[i]), i
+        assert same_bits(fused[i], split[i]), i
         torch.testing.assert_close(fused[i], reference_output(world, i), atol=2e-2, rtol=2e-2)
 
 
@@ -72,7 +73,7 @@ def test_decode_at_every_position_equals_prefill(at):
     for split in (False, True):
         dec = at.paged_attention(world.q[0], world.k_cache, world.v_cache, table.contiguous(),
                                  qsl, lens, D**-0.5, split_programs=split)
-        assert torch.equal(dec, full), f"split={split}"
+        assert same_bits(dec, full), f"split={split}"
 
 
 def test_needle_alone_equals_needle_among_many(at):
@@ -82,11 +83,11 @@ def test_needle_alone_equals_needle_among_many(at):
     impl = _impl(at, None)
     among = prefill(world, list(range(len(lens))), impl=impl)
     alone = prefill(world.fresh_cache(), [0], impl=impl)
-    assert torch.equal(alone[0], among[0])
+    assert same_bits(alone[0], among[0])
     decodes = [(i, n - 1, n) for i, n in enumerate(lens)]
     batch = step(world, decodes[7:] + decodes[:7], impl)
-    assert torch.equal(batch[len(lens) - 7], step(world, [decodes[0]], impl)[0])
-    assert torch.equal(batch[len(lens) - 7], among[0][-1:])
+    assert same_bits(batch[len(lens) - 7], step(world, [decodes[0]], impl)[0])
+    assert same_bits(batch[len(lens) - 7], among[0][-1:])
 
 
 @pytest.mark.parametrize(("block_size", "splits"), [(32, [80, 48]), (16, [1, 511, 1000, 536]),
@@ -96,15 +97,15 @@ def test_chunked_prefill_equals_fresh_prefill(at, block_size, splits):
     world = make_world([total], HQ, HKV, D, block_size, torch.bfloat16, "cuda", seed=5)
     impl = _impl(at, None)
     fresh = prefill(world, [0], impl=impl)[0]
-    assert torch.equal(chunked_prefill(world, splits, impl), fresh)
+    assert same_bits(chunked_prefill(world, splits, impl), fresh)
 
 
 def test_dispatch_by_device_uses_triton():
     world = make_world([64, 9], HQ, HKV, D, 16, torch.bfloat16, "cuda", seed=6)
     outs = prefill(world, [0, 1])  # kernels.attention, dispatched on the CUDA tensors
-    at = import_module("kernels.attention_triton")
+    at = import_module("detgate.kernels.attention_triton")
     again = prefill(world.fresh_cache(), [0, 1], impl=_impl(at, None))
-    assert all(torch.equal(a, b) for a, b in zip(outs, again, strict=True))
+    assert all(same_bits(a, b) for a, b in zip(outs, again, strict=True))
 
 
 def test_sdpa_is_not_batch_invariant():
@@ -119,10 +120,10 @@ def test_sdpa_is_not_batch_invariant():
     for p in range(0, 2048, 97):
         dec = F.scaled_dot_product_attention(q[:, :, p:p + 1], k[:, :, :p + 1], v[:, :, :p + 1],
                                              enable_gqa=True)
-        differs += not torch.equal(dec, full[:, :, p:p + 1])
+        differs += not same_bits(dec, full[:, :, p:p + 1])
     qb = q[:, :, -1:].expand(64, -1, -1, -1).contiguous()
     kb, vb = k.expand(64, -1, -1, -1).contiguous(), v.expand(64, -1, -1, -1).contiguous()
     batched = F.scaled_dot_product_attention(qb, kb, vb, enable_gqa=True)
     alone = F.scaled_dot_product_attention(q[:, :, -1:], k, v, enable_gqa=True)
-    differs += not torch.equal(batched[:1], alone)
+    differs += not same_bits(batched[:1], alone)
     assert differs > 0

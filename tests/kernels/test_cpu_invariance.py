@@ -15,21 +15,19 @@ few row counts on their full (K, N).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import pytest
 import torch
 
-import kernels
-from kernels import cpu, reference
-from kernels.cpu_ext import load
-from kernels.selfcheck import same_bits
+from detgate import kernels
+from detgate.kernels import cpu, reference
+from detgate.kernels.bits import same_bits
+from detgate.kernels.cpu_ext import load
 
 ROWS = [*range(1, 257), 300, 511, 1000]
 OFFSETS = [0, 1, 3, 17]
 WIDE_ROWS = [*range(1, 65), 100, 257]  # rows of 49k-152k elements
-THREADS = sorted({1, 2, os.cpu_count() or 1})
 DTYPES = [torch.float32, torch.bfloat16]
 
 # (K, N) of every matmul of the shipped models: tiny (hidden 256, intermediate 768, 8 q / 2 kv
@@ -39,14 +37,6 @@ TINY = {"qkv": (256, 384), "o": (256, 256), "gate_up": (256, 1536), "down": (768
 SMOLLM2 = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576),
            "lm_head": (576, 49152)}
 REDUCTION_LENGTHS = sorted({k for k, _ in (*TINY.values(), *SMOLLM2.values())})
-
-
-@pytest.fixture(params=THREADS, ids=lambda t: f"threads{t}")
-def threads(request):
-    saved = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(saved)
 
 
 def differing(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
@@ -132,6 +122,17 @@ def test_log_softmax_rows_do_not_depend_on_the_batch(v, dtype, threads):
     assert differing(kernels.log_softmax, x, WIDE_ROWS, [0, 3]) == []
 
 
+@pytest.mark.parametrize("v", [1000, 49152])
+def test_softmax_rows_do_not_depend_on_the_batch(v, threads):
+    """The sampler's softmax (one row at a time there, but any batch here)."""
+    x = _inputs(max(WIDE_ROWS) + 3, v, torch.float32, seed=v + 1) * 4
+    assert differing(cpu.softmax, x, WIDE_ROWS, [0, 3]) == []
+    torch.testing.assert_close(cpu.softmax(x[:5]), torch.softmax(x[:5].double(), -1).float(),
+                               atol=1e-9, rtol=1e-5)
+    edges = torch.tensor([[0.0, -200.0, float("-inf"), 3.0, 88.0]])
+    torch.testing.assert_close(cpu.softmax(edges), torch.softmax(edges, -1))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_ops_match_the_reference(dtype):
     tol = {torch.float32: 2e-5, torch.bfloat16: 2e-2}[dtype]
@@ -151,7 +152,7 @@ def test_ops_match_the_reference(dtype):
                                reference.rms_norm(x, weight, 1e-6), atol=tol, rtol=tol)
     normed, new_res = kernels.add_rms_norm(x, res, weight, 1e-6)
     ref_normed, ref_res = reference.add_rms_norm(x, res, weight, 1e-6)
-    assert torch.equal(new_res, ref_res)
+    assert same_bits(new_res, ref_res)
     torch.testing.assert_close(normed, ref_normed, atol=tol, rtol=tol)
     # q/k norms: [tokens, heads, head_dim], each last-dim row on its own.
     x3 = x[:12].reshape(12, 9, 64)
@@ -196,6 +197,7 @@ def test_builds_give_the_same_bits():
         assert same_bits(native.matmul(a, w), baseline.matmul(a, w)), wdtype
     x = torch.randn(9, 49157, generator=gen) * 5
     assert same_bits(native.log_softmax(x), baseline.log_softmax(x))
+    assert same_bits(native.softmax(x), baseline.softmax(x))
     assert same_bits(native.inv_rms(x, 1e-6), baseline.inv_rms(x, 1e-6))
     y = torch.randn(9, 3078, generator=gen) * 5
     assert same_bits(native.silu_and_mul(y), baseline.silu_and_mul(y))

@@ -21,10 +21,10 @@ if not ON_GPU:
 
 import torch.nn.functional as F  # noqa: E402
 
-from kernels import activation_triton, qkv_triton  # noqa: E402
-from kernels.selfcheck import same_bits  # noqa: E402
+from detgate.kernels import activation_triton, qkv_triton  # noqa: E402
+from detgate.kernels.bits import same_bits  # noqa: E402
+from detgate.worker.model.layers.rotary import RotaryEmbedding, _rotate  # noqa: E402
 from tests.kernels.test_triton_ops import _interpreter_bf16  # noqa: E402, F401
-from worker.model.layers.rotary import RotaryEmbedding, _rotate  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.bfloat16] + ([torch.float16] if ON_GPU else [])

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import selfcheck
+from detgate import kernels
+from detgate.kernels import selfcheck
 from tests.kernels.test_cpu_invariance import split_k_matmul
 
 
@@ -41,8 +41,8 @@ def test_a_failure_names_op_shape_and_dtype():
 def test_worker_check_refuses_a_model_whose_kernels_are_not_invariant(tiny_model, monkeypatch):
     """The worker's check on the tiny model passes, and fails (naming the CPU) once a split-K
     matmul stands in for the kernel: a fault no real worker can produce on demand."""
-    from worker.model.invariance_check import check
-    from worker.model.loader import load
+    from detgate.worker.model.invariance_check import check
+    from detgate.worker.model.loader import load
 
     loaded = load(tiny_model, dtype="float32", device="cpu", mode="batch_invariant")
     assert check(loaded) >= 0
@@ -52,9 +52,9 @@ def test_worker_check_refuses_a_model_whose_kernels_are_not_invariant(tiny_model
 
 
 def test_no_compiler_says_what_to_install(monkeypatch):
-    from kernels import cpu_ext
+    from detgate.kernels import cpu_ext
 
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(cpu_ext.shutil, "which", lambda name: None)
     with pytest.raises(cpu_ext.BuildError, match="needs a C.. compiler.*apt-get install g\\+\\+"):
-        cpu_ext.load.__wrapped__("native")
+        cpu_ext._load.__wrapped__("native")

@@ -21,10 +21,11 @@ import numpy as np  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
-from kernels import log_softmax_triton as ls_mod  # noqa: E402
-from kernels import matmul_triton as mm_mod  # noqa: E402
-from kernels import reference  # noqa: E402
-from kernels import rmsnorm_triton as rn_mod  # noqa: E402
+from detgate.kernels import log_softmax_triton as ls_mod  # noqa: E402
+from detgate.kernels import matmul_triton as mm_mod  # noqa: E402
+from detgate.kernels import reference  # noqa: E402
+from detgate.kernels import rmsnorm_triton as rn_mod  # noqa: E402
+from detgate.kernels.bits import same_bits  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -96,9 +97,9 @@ def test_matmul_matches_reference_and_is_batch_invariant(dtype, b_layout):
     assert out.shape == (m, n) and out.dtype == dtype
     assert _rel_err(out, reference.matmul(a, b, bias)) < TOL[dtype]
     for rows in range(1, m + 1):
-        assert torch.equal(mm_mod.matmul(a[:rows], b, bias), out[:rows]), rows
+        assert same_bits(mm_mod.matmul(a[:rows], b, bias), out[:rows]), rows
     # a row alone, from the middle of the batch
-    assert torch.equal(mm_mod.matmul(a[20:21], b, bias), out[20:21])
+    assert same_bits(mm_mod.matmul(a[20:21], b, bias), out[20:21])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -110,10 +111,10 @@ def test_matmul_a_by_descriptor_or_by_pointer_gives_the_same_bits(dtype):
     w = _randn(n, k, dtype=dtype, seed=22)
     bias = _randn(n, dtype=dtype, seed=23)
     by_desc = mm_mod.matmul(a, w.t(), bias, a_desc=True)
-    assert torch.equal(mm_mod.matmul(a, w.t(), bias, a_desc=False), by_desc)
+    assert same_bits(mm_mod.matmul(a, w.t(), bias, a_desc=False), by_desc)
     assert _rel_err(by_desc, reference.matmul(a, w.t(), bias)) < TOL[dtype]
     for rows in (1, 15, 16, 17, m - 4, m - 3, m):
-        assert torch.equal(mm_mod.matmul(a[:rows], w.t(), bias), by_desc[:rows]), rows
+        assert same_bits(mm_mod.matmul(a[:rows], w.t(), bias), by_desc[:rows]), rows
 
 
 def test_matmul_uses_linear_weight_without_copy():
@@ -131,7 +132,7 @@ def test_matmul_unaligned_shapes_take_pointer_path_with_same_bits(dtype):
     out = mm_mod.matmul(a, b)
     assert _rel_err(out, reference.matmul(a, b)) < TOL[dtype]
     for rows in (1, 2, 7, 16, 19):
-        assert torch.equal(mm_mod.matmul(a[:rows], b), out[:rows])
+        assert same_bits(mm_mod.matmul(a[:rows], b), out[:rows])
 
 
 def test_matmul_fp32_is_ieee_not_tf32():
@@ -156,7 +157,7 @@ def test_matmul_degenerate_shapes():
     a = _randn(3, 0, dtype=torch.float32, seed=10)
     b = _randn(0, 4, dtype=torch.float32, seed=10)
     bias = _randn(4, dtype=torch.float32, seed=11)
-    assert torch.equal(mm_mod.matmul(a, b, bias), bias.expand(3, 4))
+    assert same_bits(mm_mod.matmul(a, b, bias), bias.expand(3, 4))
     assert mm_mod.matmul(_randn(0, 8, dtype=torch.float32, seed=1),
                          _randn(8, 4, dtype=torch.float32, seed=1)).shape == (0, 4)
 
@@ -174,8 +175,8 @@ def test_rms_norm_matches_reference_and_is_batch_invariant(dtype):
     flat = x.reshape(-1, 96)
     full = out.reshape(-1, 96)
     for rows in (1, 2, 5, 17, 18):
-        assert torch.equal(rn_mod.rms_norm(flat[:rows], w, 1e-6), full[:rows])
-    assert torch.equal(rn_mod.rms_norm(flat[11:12], w, 1e-6), full[11:12])
+        assert same_bits(rn_mod.rms_norm(flat[:rows], w, 1e-6), full[:rows])
+    assert same_bits(rn_mod.rms_norm(flat[11:12], w, 1e-6), full[11:12])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -184,11 +185,11 @@ def test_add_rms_norm_fuses_the_residual(dtype):
     res = _randn(13, 80, dtype=dtype, seed=15)
     w = _randn(80, dtype=dtype, seed=16)
     out, new_res = rn_mod.add_rms_norm(x, res, w, 1e-5)
-    assert torch.equal(new_res, x + res)  # the sum in x's dtype, bit for bit
+    assert same_bits(new_res, x + res)  # the sum in x's dtype, bit for bit
     assert _rel_err(out, reference.rms_norm(x + res, w, 1e-5)) < TOL[dtype]
     for rows in (1, 4, 13):
         o, r = rn_mod.add_rms_norm(x[:rows], res[:rows], w, 1e-5)
-        assert torch.equal(o, out[:rows]) and torch.equal(r, new_res[:rows])
+        assert same_bits(o, out[:rows]) and same_bits(r, new_res[:rows])
 
 
 def test_rms_norm_rejects_bad_inputs():
@@ -207,8 +208,8 @@ def test_row_sum_matches_reference_and_is_batch_invariant(dtype, monkeypatch):
     assert out.dtype == torch.float32 and out.shape == (9,)
     assert _rel_err(out, x.double().sum(-1)) < 1e-5
     for rows in (1, 2, 5, 9):
-        assert torch.equal(rn_mod.row_sum(x[:rows]), out[:rows])
-    assert torch.equal(rn_mod.row_sum(x[4:5]), out[4:5])
+        assert same_bits(rn_mod.row_sum(x[:rows]), out[:rows])
+    assert same_bits(rn_mod.row_sum(x[4:5]), out[4:5])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -222,11 +223,11 @@ def test_row_mean_is_the_sum_times_the_reciprocal(dtype, length, monkeypatch):
     assert mean.dtype == dtype and mean.shape == (9,)
     total = rn_mod.row_sum(x)
     inv = torch.tensor(np.float32(1.0) / np.float32(length), device=DEVICE)
-    assert torch.equal(mean.view(BITS[dtype]), (total * inv).to(dtype).view(BITS[dtype]))
+    assert same_bits(mean.view(BITS[dtype]), (total * inv).to(dtype).view(BITS[dtype]))
     if ON_GPU:  # what the general path of set_batch_invariant_mode's mean computes
-        assert torch.equal(mean.view(BITS[dtype]), (total / length).to(dtype).view(BITS[dtype]))
+        assert same_bits(mean.view(BITS[dtype]), (total / length).to(dtype).view(BITS[dtype]))
     for rows in (1, 4):
-        assert torch.equal(rn_mod.row_sum(x[:rows], mean=True), mean[:rows])
+        assert same_bits(rn_mod.row_sum(x[:rows], mean=True), mean[:rows])
 
 
 # ----------------------------------------------------------------------------- log_softmax
@@ -243,7 +244,7 @@ def test_log_softmax_matches_reference_and_is_batch_invariant(dtype, monkeypatch
     assert out.dtype == torch.float32 and out.shape == x.shape
     assert (out - reference.log_softmax(x)).abs().max().item() < 1e-5
     for rows in (1, 3, 8, 11):
-        assert torch.equal(ls_mod.log_softmax(x[:rows]), out[:rows])
+        assert same_bits(ls_mod.log_softmax(x[:rows]), out[:rows])
 
 
 def test_log_softmax_masked_logits_and_other_dims(monkeypatch):

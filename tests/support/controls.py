@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-import kernels
-from worker.model.ops import BatchInvariantOps
+from detgate import kernels
+from detgate.worker.model.ops import BatchInvariantOps
 
 SPLIT_BELOW_ROWS = 16
 

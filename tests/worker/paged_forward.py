@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.engine.attention_metadata import AttentionMetadata
-from worker.model.decoder import CausalLM
+from detgate.worker.model.attention_metadata import AttentionMetadata
+from detgate.worker.model.decoder import CausalLM
 
 BLOCK_SIZE = 16
 

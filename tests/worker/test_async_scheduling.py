@@ -15,12 +15,12 @@ import dataclasses
 import random
 
 from detgate.contract.compare import logprob_bits
+from detgate.worker.engine import offline as wl
+from detgate.worker.engine.config import EngineConfig
+from detgate.worker.engine.engine import Engine
+from detgate.worker.engine.sequence import PENDING
+from detgate.worker.model.loader import load
 from tests.support.controls import SplitKOps, use_ops
-from worker.engine import offline as wl
-from worker.engine.config import EngineConfig
-from worker.engine.engine import Engine
-from worker.engine.sequence import PENDING
-from worker.model.loader import load
 
 _loaded: dict = {}
 
@@ -140,7 +140,7 @@ def test_on_by_default_on_cuda_only_and_the_flags_override():
     `--async-scheduling` / `--no-async-scheduling` set it either way."""
     import argparse
 
-    from worker.cli import add_engine_args
+    from detgate.worker.cli import add_engine_args
 
     assert EngineConfig(device="cuda").overlaps_steps
     assert not EngineConfig(device="cpu").overlaps_steps

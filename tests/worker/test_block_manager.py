@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from worker.engine.block_manager import BlockManager
-from worker.engine.sequence import SamplingParams, Sequence
+from detgate.worker.engine.block_manager import BlockManager
+from detgate.worker.engine.sequence import SamplingParams, Sequence
 
 BS = 16
 

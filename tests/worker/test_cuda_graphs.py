@@ -16,20 +16,20 @@ import random
 import pytest
 
 from detgate.contract.compare import logprob_bits
-from kernels.selfcheck import same_bits
-from tests.support.controls import SplitKOps, use_ops
-from tests.worker.paged_forward import make_caches, mixed_steps
-from worker.engine import offline as wl
-from worker.engine.config import EngineConfig
-from worker.engine.cuda_graphs import (
+from detgate.kernels.bits import same_bits
+from detgate.worker.engine import offline as wl
+from detgate.worker.engine.config import EngineConfig
+from detgate.worker.engine.cuda_graphs import (
     DecodeGraphs,
     MixedGraphs,
     graph_batch_sizes,
     token_buckets,
     widths_covering,
 )
-from worker.engine.engine import Engine
-from worker.model.loader import load
+from detgate.worker.engine.engine import Engine
+from detgate.worker.model.loader import load
+from tests.support.controls import SplitKOps, use_ops
+from tests.worker.paged_forward import make_caches, mixed_steps
 
 _loaded: dict = {}
 MAX_TOKENS = 64  # mixed steps: token buckets 16, 32, 64

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 
+from detgate.worker.engine.async_engine import AsyncEngine
+from detgate.worker.engine.config import EngineConfig
+from detgate.worker.engine.engine import Engine
+from detgate.worker.engine.sequence import SamplingParams
+from detgate.worker.errors import EngineDead, InvalidRequest
+from detgate.worker.model.loader import load
 from tests.support.floats import bits
-from worker.engine.config import EngineConfig
-from worker.engine.engine import AsyncEngine, Engine
-from worker.engine.sequence import SamplingParams
-from worker.errors import EngineDead, InvalidRequest
-from worker.model.loader import load
 
 _loaded: dict = {}
 
@@ -212,3 +214,36 @@ async def test_a_failed_step_fails_its_requests_and_the_loop_goes_on(tiny_model)
         assert eng.block_manager.num_free_blocks == 32
     finally:
         await async_engine.stop()
+
+
+async def test_a_hung_step_is_reported_and_a_slow_one_is_not(tiny_model):
+    """What /health reports: a step running longer than the stall limit (injected: a real
+    engine does not hang on demand) is a problem while it runs, steps within the limit never
+    are, and a stopped loop is one for good."""
+    eng = engine(tiny_model, num_kv_blocks=32)
+    real_launch, hang = eng.runner.launch, {"s": 0.0}
+
+    def slow(batch, previous):
+        time.sleep(hang["s"])
+        return real_launch(batch, previous)
+
+    eng.runner.launch = slow
+    async_engine = AsyncEngine(eng)
+    async_engine.start()
+    try:
+        ids = prompts(1)[0]
+        hang["s"] = 0.05  # slow but progressing: every step within the limit
+        seen = []
+        async for _ in async_engine.generate("slow", ids, GREEDY):
+            seen.append(async_engine.problem(stall_s=0.5))
+        assert seen and set(seen) == {None}
+        hang["s"] = 1.5
+        run = asyncio.create_task(anext(async_engine.generate("hung", ids, GREEDY)))
+        await asyncio.sleep(1.0)
+        assert "more than 0.5s" in async_engine.problem(stall_s=0.5)
+        hang["s"] = 0.0
+        await run
+        assert async_engine.problem(stall_s=0.5) is None
+    finally:
+        await async_engine.stop()
+    assert async_engine.problem(stall_s=0.5) == "the engine is shut down"

@@ -14,12 +14,13 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import pre_tokenizers
 
-from worker.engine.config import EngineConfig
-from worker.engine.engine import Engine
-from worker.engine.sequence import SamplingParams
-from worker.model.config import ModelConfigError
-from worker.model.gguf_checkpoint import convert
-from worker.model.loader import load
+from detgate.kernels.bits import same_bits
+from detgate.worker.engine.config import EngineConfig
+from detgate.worker.engine.engine import Engine
+from detgate.worker.engine.sequence import SamplingParams
+from detgate.worker.model.config import ModelConfigError
+from detgate.worker.model.gguf_checkpoint import convert
+from detgate.worker.model.loader import load
 
 T = gguf.GGMLQuantizationType
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 64, 128, 2, 4, 2, 16
@@ -146,10 +147,10 @@ def test_each_tensor_type_equals_gguf_dequantisation(tmp_path, qtype):
     got = load_file(out / "model.safetensors")
     assert set(got) == set(expected)
     for name, values in expected.items():
-        assert torch.equal(got[name].float(), torch.from_numpy(values)), name
+        assert same_bits(got[name].float(), torch.from_numpy(values)), name
     if qtype == T.F32:  # exact: q and k are back in Hugging Face's row order
         for name, values in hf_tensors(len(_vocab()[0])).items():
-            assert torch.equal(got[name], torch.from_numpy(values)), name
+            assert same_bits(got[name], torch.from_numpy(values)), name
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -212,7 +213,12 @@ def _mkdir(path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def smollm2_gguf() -> Path:
-    from worker.tools.model_source import DEFAULT_MODEL, PACKAGED, ModelUnavailable, packaged_file
+    from detgate.worker.tools.model_source import (
+        DEFAULT_MODEL,
+        PACKAGED,
+        ModelUnavailable,
+        packaged_file,
+    )
 
     try:
         return packaged_file(PACKAGED[DEFAULT_MODEL])
@@ -231,13 +237,13 @@ def test_smollm2_tensors_equal_transformers_gguf_reader(smollm2_gguf, smollm2_fo
     ours = load_file(smollm2_folder / "model.safetensors")
     assert set(ours) == set(theirs)
     for name, tensor in ours.items():
-        assert torch.equal(tensor, torch.as_tensor(theirs[name]).float()), name
+        assert same_bits(tensor, torch.as_tensor(theirs[name]).float()), name
 
 
 def test_smollm2_tokenizer_matches_transformers(smollm2_gguf, smollm2_folder):
     from transformers import AutoTokenizer
 
-    from worker.model.tokenizer import Tokenizer
+    from detgate.worker.model.tokenizer import Tokenizer
 
     theirs = AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
     ours = Tokenizer.from_folder(smollm2_folder)

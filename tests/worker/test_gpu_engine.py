@@ -26,16 +26,16 @@ import pytest
 import torch
 
 from detgate.contract.compare import logprob_bits
-from kernels.selfcheck import same_bits
+from detgate.kernels.bits import same_bits
+from detgate.worker.engine import offline as wl
+from detgate.worker.engine.config import EngineConfig
+from detgate.worker.engine.cuda_graphs import MixedGraphs
+from detgate.worker.engine.engine import Engine
+from detgate.worker.model.loader import load
+from detgate.worker.tools.make_model import PRESETS
+from detgate.worker.tools.random_model import load_random
 from tests.worker.paged_forward import make_caches, mixed_steps
 from tests.worker.test_async_scheduling import traffic as async_traffic
-from worker.engine import offline as wl
-from worker.engine.config import EngineConfig
-from worker.engine.cuda_graphs import MixedGraphs
-from worker.engine.engine import Engine
-from worker.model.loader import load
-from worker.tools.make_model import PRESETS
-from worker.tools.random_model import load_random
 
 pytestmark = [
     pytest.mark.gpu,
@@ -194,7 +194,7 @@ def captured_vs_eager(loaded, seed: int) -> tuple[list[bool], MixedGraphs]:
                          hidden_size=loaded.config.hidden_size, dtype=loaded.config.dtype)
     captured = mixed_steps(model, caches, prompts, seed, MIXED_MAX_TOKENS, graphs.forward,
                            device="cuda")
-    assert not graphs.failed and all(g is not None for g in graphs.graphs.values())
+    assert not graphs.failed and all(g.graph is not None for g in graphs.graphs.values())
     assert len({t for t, _ in graphs.graphs}) >= 3  # several token buckets were replayed
     return [same_bits(a, b) for a, b in zip(eager, captured, strict=True)], graphs
 

@@ -5,6 +5,7 @@ the fingerprint parts."""
 from __future__ import annotations
 
 import json
+import platform
 import random
 import shutil
 
@@ -12,9 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from detgate.kernels.bits import same_bits
+from detgate.worker.model.config import ModelConfigError
+from detgate.worker.model.loader import CheckpointError, load
 from tests.worker.paged_forward import BLOCK_SIZE, allocate, make_caches, step
-from worker.model.config import ModelConfigError
-from worker.model.loader import CheckpointError, load
 
 
 def test_round_trip_of_the_demo_checkpoint(tiny_model):
@@ -32,10 +34,10 @@ def test_round_trip_of_the_demo_checkpoint(tiny_model):
     stored = load_file(tiny_model / "model.safetensors")
     params = dict(lm.model.named_parameters())
     q, k, v = (stored[f"model.layers.1.self_attn.{n}_proj.weight"] for n in "qkv")
-    assert torch.equal(params["model.layers.1.self_attn.qkv_proj.weight"], torch.cat([q, k, v]))
+    assert same_bits(params["model.layers.1.self_attn.qkv_proj.weight"], torch.cat([q, k, v]))
     gate, up = (stored[f"model.layers.3.mlp.{n}_proj.weight"] for n in ("gate", "up"))
-    assert torch.equal(params["model.layers.3.mlp.gate_up_proj.weight"], torch.cat([gate, up]))
-    assert torch.equal(params["model.norm.weight"], stored["model.norm.weight"])
+    assert same_bits(params["model.layers.3.mlp.gate_up_proj.weight"], torch.cat([gate, up]))
+    assert same_bits(params["model.norm.weight"], stored["model.norm.weight"])
     assert "lm_head.weight" not in params  # tied to the embedding
 
 
@@ -95,8 +97,14 @@ def test_unsupported_config_is_an_error(tiny_model, tmp_path):
 def test_fingerprint_parts(tiny_model, tmp_path):
     a = load(tiny_model, dtype="float32", device="cpu", mode="default").fingerprint_parts
     b = load(tiny_model, dtype="bfloat16", device="cpu", mode="batch_invariant").fingerprint_parts
-    expected = {"weights_sha256", "config_sha256", "mode", "dtype", "device", "torch", "triton"}
-    assert set(a) >= expected | {"kernels_sha256"}
+    expected = {"weights_sha256", "config_sha256", "tokenizer_sha256", "mode", "dtype",
+                "device", "sources_sha256", "torch", "libc", "isa_class"}
+    assert set(a) >= expected and set(b) >= expected
+    # Default mode names the machine (MKL, torch's kernels and their threads change its bits);
+    # batch_invariant on x86-64 does not (worker/model/numerics.py).
+    machine_parts = {"cpu", "cpu_flags_sha256", "torch_cpu_capability", "torch_threads"}
+    assert machine_parts <= set(a)
+    assert not machine_parts & set(b) or b["isa_class"] == platform.machine()
     assert (a["mode"], a["dtype"], b["mode"], b["dtype"]) == (
         "default",
         "float32",

@@ -8,13 +8,13 @@ import json
 import math
 
 import pytest
-import torch
 
+from detgate.kernels.bits import same_bits
+from detgate.worker.model.loader import load
+from detgate.worker.model.tokenizer import Tokenizer
+from detgate.worker.tools import make_model as mm
+from detgate.worker.tools.train_tokenizer import corpus_text
 from tests.worker.paged_forward import allocate, make_caches, step
-from worker.model.loader import load
-from worker.model.tokenizer import Tokenizer
-from worker.tools import make_model as mm
-from worker.tools.train_tokenizer import corpus_text
 
 
 def _files(folder) -> dict[str, bytes]:
@@ -42,7 +42,7 @@ def test_sharded_write_loads_the_same_weights(tiny_model, tmp_path, monkeypatch)
     sharded = load(tmp_path, dtype="float32", device="cpu", mode="default").model.state_dict()
     single = load(tiny_model, dtype="float32", device="cpu", mode="default").model.state_dict()
     assert sharded.keys() == single.keys()
-    assert all(torch.equal(sharded[k], single[k]) for k in single)
+    assert all(same_bits(sharded[k], single[k]) for k in single)
 
 
 def test_qwen3_8b_shape_is_the_real_configuration():
@@ -73,16 +73,18 @@ def test_qwen3_8b_shape_tokenizer_is_padded_to_the_vocabulary(tmp_path):
 
 
 def test_resolve_model_makes_a_preset_once(tmp_path, monkeypatch):
+    from detgate.worker.tools.model_source import resolve_model
+
     monkeypatch.setenv("DETGATE_STATE_DIR", str(tmp_path))
-    folder = mm.resolve_model("tiny")
+    folder = resolve_model("tiny")
     assert folder.parent == tmp_path / "models" and (folder / "config.json").exists()
     stamp = (folder / "model.safetensors").stat().st_mtime_ns
-    assert mm.resolve_model("tiny") == folder
+    assert resolve_model("tiny") == folder
     assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
-    assert mm.resolve_model(str(folder)) == folder
+    assert resolve_model(str(folder)) == folder
     assert [p.name for p in (tmp_path / "models").iterdir()] == [folder.name]  # no leftovers
     with pytest.raises(FileNotFoundError):
-        mm.resolve_model("no-such-model")
+        resolve_model("no-such-model")
 
 
 def test_random_weights_decode_varied_tokens_with_peaked_logprobs(tiny_model):

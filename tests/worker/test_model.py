@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from kernels.selfcheck import same_bits
+from detgate.kernels.bits import same_bits
+from detgate.worker.model.loader import load
 from tests.worker.paged_forward import allocate, make_caches, step
-from worker.model.loader import load
 
 _MODELS: dict[tuple[str, str], object] = {}
 

@@ -8,8 +8,13 @@ import subprocess
 
 import pytest
 
+from detgate.worker.tools.model_source import (
+    ModelUnavailable,
+    PackagedModel,
+    packaged_file,
+    resolve_model,
+)
 from tests.support.procs import detgate_cmd, free_port
-from worker.tools.model_source import ModelUnavailable, PackagedModel, packaged_file, resolve_model
 
 
 def test_missing_wheel_says_what_to_install():

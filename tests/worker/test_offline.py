@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from worker.engine.offline import Completion, compare_scores, determinism_measures
+from detgate.worker.engine.offline import Completion, compare_scores, determinism_measures
 
 
 def test_determinism_measures_count_ids_and_logprob_bits():

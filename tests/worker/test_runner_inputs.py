@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from worker.engine import offline as wl
-from worker.engine.config import EngineConfig
-from worker.engine.engine import Engine
-from worker.model.loader import load
+from detgate.worker.engine import offline as wl
+from detgate.worker.engine.config import EngineConfig
+from detgate.worker.engine.engine import Engine
+from detgate.worker.model.loader import load
 
 
 def reference_inputs(batch, bs: int) -> dict[str, np.ndarray]:

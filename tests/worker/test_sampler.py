@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from kernels.selfcheck import same_bits
-from worker.engine.sampler import Sampler
-from worker.engine.sequence import SamplingParams, Sequence
-from worker.model.ops import make_ops
+from detgate.kernels.bits import same_bits
+from detgate.worker.engine.sampler import Sampler
+from detgate.worker.engine.sequence import SamplingParams, Sequence
+from detgate.worker.model.ops import make_ops
 
 V = 1000
 
 
 def sampler(mode="default") -> Sampler:
-    return Sampler(make_ops(mode).log_softmax, torch.device("cpu"))
+    ops = make_ops(mode)
+    return Sampler(ops.log_softmax, ops.softmax, torch.device("cpu"))
 
 
 def seq(rid="r", **params) -> Sequence:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from worker.engine.block_manager import BlockManager
-from worker.engine.scheduler import Scheduler
-from worker.engine.sequence import SamplingParams, Sequence, SequenceStatus
+from detgate.worker.engine.block_manager import BlockManager
+from detgate.worker.engine.scheduler import Scheduler
+from detgate.worker.engine.sequence import SamplingParams, Sequence, SequenceStatus
 
 BS = 16
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -12,6 +13,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from detgate.contract.sampling import UNSUPPORTED
 from tests.support.floats import bits
 
 MODEL = "tiny"
@@ -192,7 +194,7 @@ BAD_INPUT = [
     ("/v1/completions", {"model": MODEL, "prompt": ""}, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": []}, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [10**8]}, "prompt"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "echo": True}, "echo"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "echo": True, "stream": True}, "echo"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream": True, "prompt_logprobs": 1},
      "prompt_logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 1.0},
@@ -259,6 +261,52 @@ def test_non_stream_disconnect_aborts_and_frees(url):
         httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
     wait_idle(url)
     assert aborted(url) >= 2
+
+
+def test_model_card_advertises_what_a_gateway_checks(url):
+    (card,) = httpx.get(f"{url}/v1/models").json()["data"]
+    assert card["max_model_len"] == 256 and card["max_num_seqs"] == 64
+    assert card["vocab_size"] >= 2048 and card["max_token_chars"] > 1
+    # Every field the worker refuses unless neutral (the contract's list).
+    assert card["unsupported_parameters"] == sorted(UNSUPPORTED)
+    assert {"presence_penalty", "frequency_penalty"} <= set(card["unsupported_parameters"])
+    # The card's bound holds: no token's text is longer.
+    out = httpx.post(f"{url}/v1/completions", json={
+        "model": MODEL, "prompt": "Go on", "max_tokens": 64, "ignore_eos": True,
+        "logprobs": 0}).json()
+    assert max(map(len, out["choices"][0]["logprobs"]["tokens"])) < card["max_token_chars"]
+
+
+def test_abort_request_answers_a_whole_request_with_its_tokens_so_far(url):
+    """The gateway's way to stop a non-streamed request whose client left: the request
+    answers at once with the tokens generated until then, finish_reason "abort"."""
+    before = aborted(url)
+    # The counter is the worker's since its start (earlier tests add to it): 4 tokens more
+    # are two decode steps of this request's 2 sequences, so each choice has tokens to keep.
+    tokens_before = gauge(url, "detgate_worker_generated_tokens_total")
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(httpx.post, f"{url}/v1/completions", json={
+            "model": MODEL, "prompt": "Go on", "max_tokens": 240, "ignore_eos": True,
+            "return_token_ids": True, "n": 2}, headers={"X-Request-Id": "cmpl-abort-me"},
+            timeout=60)
+        deadline = time.monotonic() + 30
+        while gauge(url, "detgate_worker_generated_tokens_total") < tokens_before + 4 or \
+                (r := httpx.post(f"{url}/abort_request", json={"rid": "cmpl-abort-me"})
+                 ).status_code == 404:
+            assert time.monotonic() < deadline and not pending.done()
+            time.sleep(0.02)
+        assert r.json() == {"aborted": True}
+        answer = pending.result()
+    assert answer.status_code == 200, answer.text
+    choices = answer.json()["choices"]
+    assert [c["finish_reason"] for c in choices] == ["abort", "abort"]
+    assert all(0 < len(c["token_ids"]) < 240 for c in choices)
+    assert answer.json()["usage"]["completion_tokens"] == sum(len(c["token_ids"])
+                                                              for c in choices)
+    wait_idle(url)
+    assert aborted(url) >= before + 2
+    gone = httpx.post(f"{url}/abort_request", json={"rid": "cmpl-abort-me"})
+    assert gone.status_code == 404 and gone.json()["error"]["type"] == "not_found_error"
 
 
 def test_metrics_show_batches(url, client):

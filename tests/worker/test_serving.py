@@ -10,10 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from worker.engine.engine import RequestOutput
-from worker.engine.sequence import SamplingParams, TokenLogprob
-from worker.model.tokenizer import Tokenizer
-from worker.server.generation import Choice, generate
+from detgate.worker.engine.engine import RequestOutput
+from detgate.worker.engine.sequence import SamplingParams, TokenLogprob
+from detgate.worker.model.tokenizer import Tokenizer
+from detgate.worker.server.generation import Choice, Generation
 
 
 class CountingTokenizer:
@@ -86,23 +86,34 @@ def test_a_stop_string_spanning_tokens_cuts_the_text(tok, per_step):
 
 
 def test_one_choice_is_served_without_a_merging_queue(tok, monkeypatch):
-    async def engine_stream(request_id, ids, params, validated=False):
-        assert validated  # the endpoint validated it once, before generate
-        for i in range(5):
-            yield output([ids[0] + i], finished=i == 4)
+    class EngineStream:
+        def __init__(self, request_id, ids, params, validated=False):
+            assert validated  # the endpoint validated it once, before submitting
+            self.outs = iter([output([ids[0] + i], finished=i == 4) for i in range(5)])
 
-    engine = SimpleNamespace(generate=engine_stream)
-    ctx = SimpleNamespace(engine=engine)
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            try:
+                return next(self.outs)
+            except StopIteration:
+                raise StopAsyncIteration from None
+
+        def close(self):
+            pass
+
+    ctx = SimpleNamespace(engine=SimpleNamespace(generate=EngineStream), fingerprint="fp_x")
 
     def no_queue(*args, **kwargs):
         raise AssertionError("n = 1 needs no queue")
 
     monkeypatch.setattr(asyncio, "Queue", no_queue)
-    choice = Choice(0, tok, [])
+    choice = Choice(0, tok, [], prompt_ids=[40])
 
     async def run() -> int:
-        outs = [o async for _, o in generate(ctx, "r", [40], [SamplingParams(max_tokens=5)],
-                                             [choice])]
+        async with Generation(ctx, "r", [SamplingParams(max_tokens=5)], [choice]) as gen:
+            outs = [o async for _, o in gen]
         return len(outs)
 
     assert asyncio.run(run()) == 5

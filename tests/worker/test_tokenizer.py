@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.model.tokenizer import ChatTemplateError, Tokenizer
+from detgate.worker.model.tokenizer import ChatTemplateError, Tokenizer
 
 MESSAGES = [
     {"role": "system", "content": "You are brief."},

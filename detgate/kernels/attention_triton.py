@@ -1,0 +1,286 @@
+"""Paged attention in Triton (CUDA): K/V store, and varlen causal GQA attention over the cache.
+
+Reduction order (the invariant), the same for every query whatever the call:
+- the KV axis is cut into splits of `KV_SPLIT` positions (split s = [s*KV_SPLIT, (s+1)*KV_SPLIT),
+  a fixed SIZE, never a fixed number of splits), each split into tiles of `BLOCK_N` positions;
+- inside a split, a query folds its visible tiles in ascending order into an online softmax
+  (`_split_partial`); a tile after the query's position leaves its state untouched (`where`);
+- the split results are merged in split order by `_merge`.
+Two launch shapes run that same arithmetic: "fused" (one program per query block and KV head
+walks all its splits and merges them in registers: no workspace, for prefill and big batches)
+and "split" (one program per query block, KV head and split writes its partial result, then
+`_combine_kernel` merges them: parallelism for few queries over long contexts). Both use the
+same tile shapes, warps and helpers, and floating-point contraction is off (no mul+add fused
+into an FMA in one kernel but not the other), so a query's bits do not depend on which launch
+ran it, nor on its row inside the query block, nor on the other queries and sequences.
+
+Rows of a program are (query, head of the GQA group) pairs: row r = query r // GROUP_PAD of the
+block, q head kv_head * GROUP + r % GROUP_PAD. Keys are read by position through the block
+table, so the tiles do not depend on the cache's block size.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from detgate.kernels.attention_tiles import SHIPPED
+
+# BLOCK_M: rows (query x group head) per program; BLOCK_N: KV positions per tile.
+BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = SHIPPED
+KV_SPLIT = 1024  # KV positions per split: a multiple of BLOCK_N
+COMBINE_HEADS = 2  # heads x head-dim slice per combine program: spread the merge loops wide
+COMBINE_DIMS = 64
+_LOG2E = 1.4426950408889634
+_SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_kt, stride_vt,
+                     stride_cache_slot, ROW: tl.constexpr, ROW_PAD: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    if slot < 0:
+        return
+    offs = tl.arange(0, ROW_PAD)
+    mask = offs < ROW
+    k = tl.load(k_ptr + t.to(tl.int64) * stride_kt + offs, mask=mask)
+    v = tl.load(v_ptr + t.to(tl.int64) * stride_vt + offs, mask=mask)
+    tl.store(k_cache_ptr + slot * stride_cache_slot + offs, k, mask=mask)
+    tl.store(v_cache_ptr + slot * stride_cache_slot + offs, v, mask=mask)
+
+
+@triton.jit
+def _find_seq(qsl_ptr, target, num_seqs, BLOCK_Q: tl.constexpr, PER_BLOCK: tl.constexpr):
+    """The sequence owning `target`: a token (qsl[i] <= target < qsl[i+1]) or, PER_BLOCK, a
+    query-block program id (sequence i owns ids [qsl[i] // BLOCK_Q + i, qsl[i+1] // BLOCK_Q
+    + i + 1): every sequence gets enough blocks without the host knowing the query lengths)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(qsl_ptr + mid)
+        if PER_BLOCK:
+            first = first // BLOCK_Q + mid
+        if first <= target:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _split_partial(q, q_pos, kv_lo, kv_hi, seq_len, table_ptr, k_cache_ptr, v_cache_ptr,
+                   kv_head, stride_cache_slot, stride_cache_head, qk_scale,
+                   BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax of rows q [BLOCK_M, D] over positions [kv_lo, kv_hi), tile by tile.
+
+    Returns (m, denom, acc): running max (log2 domain), sum and unnormalised sum of p * v."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for n0 in range(kv_lo, kv_hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        key_ok = offs_n < seq_len
+        block = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        row = (block * BLOCK_SIZE + offs_n % BLOCK_SIZE) * stride_cache_slot \
+            + kv_head * stride_cache_head
+        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        visible = (offs_n[None, :] <= q_pos[:, None]) & key_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        # A row before this tile sees none of it: its state must stay bit-for-bit.
+        seen = n0 <= q_pos
+        m_new = tl.where(seen, tl.maximum(m, tl.max(s, 1)), 0.0)
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        denom_new = denom * alpha + tl.sum(p, 1)
+        acc_new = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        denom = tl.where(seen, denom_new, denom)
+        acc = tl.where(seen[:, None], acc_new, acc)
+        m = tl.where(seen, m_new, m)
+    return m, denom, acc
+
+
+@triton.jit
+def _merge(m_run, denom_run, acc_run, m, denom, acc):
+    """Fold one split's (m, denom, acc) into the running result; a split a row did not see
+    (m = -inf) leaves it untouched."""
+    has = m > float("-inf")
+    m_new = tl.where(has, tl.maximum(m_run, m), 0.0)
+    c_run = tl.exp2(m_run - m_new)
+    c = tl.exp2(m - m_new)
+    denom_new = denom_run * c_run + denom * c
+    acc_new = acc_run * c_run[:, None] + acc * c[:, None]
+    return (tl.where(has, m_new, m_run), tl.where(has, denom_new, denom_run),
+            tl.where(has[:, None], acc_new, acc_run))
+
+
+@triton.jit
+def _attn_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, qsl_ptr, seq_lens_ptr,
+                 ws_ml_ptr, ws_acc_ptr, num_seqs, stride_qt, stride_qh, stride_ot, stride_oh,
+                 stride_table, stride_cache_slot, stride_cache_head, stride_ws_t, stride_ws_h,
+                 qk_scale, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, KV_SPLIT: tl.constexpr, SPLIT_PROGRAMS: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q, True)
+    q_begin = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_begin
+    q_first = (pid - (q_begin // BLOCK_Q + seq)) * BLOCK_Q  # this block's first query
+    if q_first >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    offs_m = tl.arange(0, BLOCK_M)
+    q_idx = q_first + offs_m // GROUP_PAD
+    g = offs_m % GROUP_PAD
+    row_ok = (q_idx < q_len) & (g < GROUP)
+    q_pos = tl.where(row_ok, seq_len - q_len + q_idx, -1)
+    tok = (q_begin + q_idx).to(tl.int64)
+    head = kv_head * GROUP + g
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    kv_end = tl.minimum(seq_len - q_len + q_first + BLOCK_Q, seq_len)  # last row's pos + 1
+    table_ptr = tables_ptr + seq.to(tl.int64) * stride_table
+    if SPLIT_PROGRAMS:
+        split_lo = tl.program_id(2) * KV_SPLIT
+        if split_lo >= kv_end:
+            return
+        m, denom, acc = _split_partial(q, q_pos, split_lo, tl.minimum(split_lo + KV_SPLIT, kv_end),
+                                   seq_len, table_ptr, k_cache_ptr, v_cache_ptr, kv_head,
+                                   stride_cache_slot, stride_cache_head, qk_scale, BLOCK_SIZE,
+                                   HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION)
+        keep = row_ok & (q_pos >= split_lo)
+        ws = tok * stride_ws_t + head * stride_ws_h + tl.program_id(2)
+        tl.store(ws_ml_ptr + 2 * ws, m, mask=keep)
+        tl.store(ws_ml_ptr + 2 * ws + 1, denom, mask=keep)
+        tl.store(ws_acc_ptr + ws[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=keep[:, None])
+    else:
+        m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        denom_run = tl.zeros([BLOCK_M], tl.float32)
+        acc_run = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        for split_lo in range(0, kv_end, KV_SPLIT):
+            m, denom, acc = _split_partial(q, q_pos, split_lo,
+                                       tl.minimum(split_lo + KV_SPLIT, kv_end), seq_len,
+                                       table_ptr, k_cache_ptr, v_cache_ptr, kv_head,
+                                       stride_cache_slot, stride_cache_head, qk_scale,
+                                       BLOCK_SIZE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION)
+            m_run, denom_run, acc_run = _merge(m_run, denom_run, acc_run, m, denom, acc)
+        out = acc_run / denom_run[:, None]
+        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _combine_kernel(out_ptr, qsl_ptr, seq_lens_ptr, ws_ml_ptr, ws_acc_ptr, num_seqs,
+                    stride_ot, stride_oh, stride_ws_t, stride_ws_h, HQ: tl.constexpr,
+                    HEADS: tl.constexpr, DIMS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    KV_SPLIT: tl.constexpr):
+    """One program per (token, HEADS heads, DIMS of the head dim): merges the token's splits
+    0..pos // KV_SPLIT in order."""
+    tok = tl.program_id(0)
+    seq = _find_seq(qsl_ptr, tok, num_seqs, 1, False)
+    q_end = tl.load(qsl_ptr + seq + 1)
+    pos = tl.load(seq_lens_ptr + seq) - q_end + tok
+    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+    head_ok = heads < HQ
+    dims = tl.program_id(2) * DIMS + tl.arange(0, DIMS)
+    m_run = tl.full([HEADS], float("-inf"), tl.float32)
+    denom_run = tl.zeros([HEADS], tl.float32)
+    acc_run = tl.zeros([HEADS, DIMS], tl.float32)
+    for split in range(0, pos // KV_SPLIT + 1):
+        ws = tok.to(tl.int64) * stride_ws_t + heads * stride_ws_h + split
+        m = tl.load(ws_ml_ptr + 2 * ws, mask=head_ok, other=float("-inf"))
+        denom = tl.load(ws_ml_ptr + 2 * ws + 1, mask=head_ok, other=0.0)
+        acc = tl.load(ws_acc_ptr + ws[:, None] * HEAD_DIM + dims[None, :],
+                      mask=head_ok[:, None], other=0.0)
+        m_run, denom_run, acc_run = _merge(m_run, denom_run, acc_run, m, denom, acc)
+    out = acc_run / denom_run[:, None]
+    tl.store(out_ptr + tok.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
+             + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write k, v [T, Hkv, D] into the caches at slot_mapping [T]; negative slots skipped."""
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("store_kv: the caches must be contiguous")
+    num_tokens = k.shape[0]
+    if num_tokens == 0:
+        return
+    k2 = k.reshape(num_tokens, -1).to(k_cache.dtype)
+    v2 = v.reshape(num_tokens, -1).to(v_cache.dtype)
+    row = k2.shape[1]
+    _store_kv_kernel[(num_tokens,)](k2, v2, k_cache, v_cache, slot_mapping, k2.stride(0),
+                                    v2.stride(0), k_cache.stride(1), ROW=row,
+                                    ROW_PAD=triton.next_power_of_2(row))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, scale: float,
+                    split_programs: bool | None = None) -> torch.Tensor:
+    """Causal GQA attention of q [T, Hq, D] over the paged cache -> [T, Hq, D] in q's dtype.
+
+    `split_programs` picks the launch shape (None: by occupancy); the bits are the same."""
+    if q.dtype not in _SUPPORTED or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TypeError(f"paged_attention: q and caches in one of {_SUPPORTED}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("paged_attention: the caches must be contiguous")
+    if q.stride(2) != 1:  # rows may be strided (a view of a fused qkv), elements may not
+        q = q.contiguous()
+    num_tokens, hq, d = q.shape
+    _, block_size, hkv, _ = k_cache.shape
+    group = hq // hkv
+    group_pad = triton.next_power_of_2(group)
+    if group_pad > BLOCK_M or d & (d - 1) or d < 16:
+        raise ValueError(f"paged_attention: GQA group {group} or head dim {d} not supported")
+    out = torch.empty_like(q)
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0:
+        return out
+    q_blocks = num_tokens // (BLOCK_M // group_pad) + num_seqs
+    max_splits = triton.cdiv(block_tables.shape[1] * block_size, KV_SPLIT)
+    if split_programs is None:
+        split_programs = max_splits > 1 and q_blocks * hkv < 2 * _num_sms(q.device.index or 0)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    qsl = query_start_loc.to(torch.int32)
+    lens = seq_lens.to(torch.int32)
+    tables = block_tables.to(torch.int32)
+    if split_programs:
+        ws_ml = torch.empty(num_tokens, hq, max_splits, 2, device=q.device, dtype=torch.float32)
+        ws_acc = torch.empty(num_tokens, hq, max_splits, d, device=q.device, dtype=torch.float32)
+        grid = (q_blocks, hkv, max_splits)
+    else:
+        ws_ml = ws_acc = out  # unused
+        grid = (q_blocks, hkv)
+    _attn_kernel[grid](q, k_cache, v_cache, out, tables, qsl, lens, ws_ml, ws_acc, num_seqs,
+                       q.stride(0), q.stride(1), out.stride(0), out.stride(1), tables.stride(0),
+                       k_cache.stride(1), k_cache.stride(2), hq * max_splits, max_splits,
+                       scale * _LOG2E, BLOCK_SIZE=block_size, HEAD_DIM=d, GROUP=group,
+                       GROUP_PAD=group_pad, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, KV_SPLIT=KV_SPLIT,
+                       SPLIT_PROGRAMS=split_programs, PRECISION=precision,
+                       num_warps=NUM_WARPS, num_stages=NUM_STAGES, enable_fp_fusion=False)
+    if split_programs:
+        heads, dims = min(COMBINE_HEADS, hq), min(COMBINE_DIMS, d)
+        grid = (num_tokens, triton.cdiv(hq, heads), d // dims)
+        _combine_kernel[grid](out, qsl, lens, ws_ml, ws_acc, num_seqs, out.stride(0),
+                              out.stride(1), hq * max_splits, max_splits, HQ=hq,
+                              HEADS=triton.next_power_of_2(heads), DIMS=dims, HEAD_DIM=d,
+                              KV_SPLIT=KV_SPLIT, num_warps=NUM_WARPS, enable_fp_fusion=False)
+    return out

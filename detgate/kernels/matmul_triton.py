@@ -1,0 +1,469 @@
+"""Batch-invariant matmul in Triton: C[M, N] = A[M, K] @ B[K, N] (+ bias[N]).
+
+Invariant (what makes row i independent of M): every output element is computed by one
+program, into one fp32 accumulator, as one chain of matrix instructions over K in increasing
+k: wgmma k16 steps for bf16/fp16 on Hopper (mma k16 before it), FMA steps for fp32, which runs
+as IEEE fp32, never TF32. There is no split-K and no stream-K. The tile shape (`TileConfig`)
+may follow the problem's shape because it decides only which program computes an element and
+how many k16 steps one loop iteration issues (BLOCK_K), never the order of those steps: the
+per-element chain is the same for every config of a dtype. That this holds on the hardware is
+checked bitwise, every config against every other on every projection shape, and over
+M = 1..8192 with the dispatch in force (tests/kernels/test_gpu_ops.py,
+detgate/bench/kernels_proof.py).
+
+Two kernels with the same reduction: a persistent kernel fed by TMA tensor descriptors
+(Hopper and later, 16-byte aligned operands; A and C by plain masked loads and stores below
+one row tile) and a pointer kernel for everything else. On CUDA the persistent kernel is
+launched through `kernels.triton_launch`: the weight's descriptor, the tile choice and the
+compiled kernel are kept per weight, so a call costs one allocation and one C launch.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from detgate.kernels.triton_launch import Launcher, Unsupported, raw_stream
+
+_SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    # k16 steps per loop iteration x 16. Larger BLOCK_K moves more bytes per iteration, which
+    # is what decode (tiny M, weights streamed once) is bound by; the step order is unchanged.
+    block_k: int = 64
+    # Programs per SM for the persistent grid: >1 lets small memory-bound tiles overlap.
+    ctas_per_sm: int = 1
+    group_m: int = 8
+
+
+# Hopper, 16-bit operands; shared memory per config stays under the 227 KB a program may use.
+CONFIGS_16BIT = {
+    "m128n256": TileConfig(128, 256, 8, 3),
+    "m128n128": TileConfig(128, 128, 8, 4),
+    "m128n128w4": TileConfig(128, 128, 4, 4),
+    "m128n128s6": TileConfig(128, 128, 8, 6),
+    "m128n64": TileConfig(128, 64, 4, 6),
+    "m128n64k128": TileConfig(128, 64, 4, 4, block_k=128),
+    "m64n256": TileConfig(64, 256, 4, 4),
+    "m64n128": TileConfig(64, 128, 4, 5),
+    "m64n128k128": TileConfig(64, 128, 4, 4, block_k=128),
+    "m64n64": TileConfig(64, 64, 4, 6, ctas_per_sm=2),
+    "m64n64k128": TileConfig(64, 64, 4, 5, block_k=128),
+    "m64n64k256": TileConfig(64, 64, 4, 3, block_k=256),
+    "m64n32k128": TileConfig(64, 32, 4, 7, block_k=128),
+    "m64n32k256": TileConfig(64, 32, 4, 4, block_k=256),
+    "m64n16k256": TileConfig(64, 16, 4, 5, block_k=256),
+}
+CONFIG_FP32 = TileConfig(64, 64, 4, 3, block_k=32)
+CONFIG_INTERPRETER = TileConfig(16, 32, 4, 1, block_k=32)
+# Row tiles from which A and C go through TMA descriptors (see `_a_desc`).
+DESC_MIN_TILES = 1
+
+# Fastest config per M bucket, measured on H200 (`python -m detgate.bench.kernels_proof --tune`,
+# Qwen3-8B projections, bench/results/kernels-h200-*.json): (N, K) -> ((M upper bound, config
+# name), ...) in increasing M; M above the last bound takes the last config.
+TUNED_16BIT: dict[tuple[int, int], tuple[tuple[int, str], ...]] = {
+    # qkv at 193-256 rows: 96 tiles of 128 x 128 with six stages, 25.3 us in graphs at M = 256
+    # against m64n256's 28.7 (m64n256 stays ahead at 192: 27.8 vs 30.1).
+    (6144, 4096): (  # qkv_proj
+        (1, "m64n64k128"), (8, "m64n64k128"), (32, "m64n64k128"), (64, "m64n64k128"),
+        (128, "m64n128k128"), (192, "m64n256"), (256, "m128n128s6"), (512, "m128n256"),
+        (1024, "m128n128w4"),
+        (2048, "m128n256"), (4096, "m128n256"), (8192, "m128n256"),
+    ),
+    (4096, 4096): (  # o_proj
+        (1, "m64n32k256"), (8, "m64n32k256"), (32, "m64n32k256"), (64, "m64n32k256"),
+        (128, "m64n64k128"), (256, "m64n128k128"), (512, "m128n128w4"), (1024, "m128n256"),
+        (2048, "m128n256"), (4096, "m128n256"), (8192, "m128n256"),
+    ),
+    (24576, 4096): (  # gate_up_proj
+        (1, "m64n64k128"), (8, "m64n256"), (32, "m64n256"), (64, "m64n256"), (128, "m64n128k128"),
+        (256, "m64n256"), (512, "m128n256"), (1024, "m128n256"), (2048, "m128n256"),
+        (4096, "m64n256"), (8192, "m64n256"),
+    ),
+    (4096, 12288): (  # down_proj
+        (1, "m64n32k256"), (8, "m64n32k256"), (32, "m64n32k256"), (64, "m64n32k256"),
+        (128, "m64n64k128"), (256, "m64n128k128"), (512, "m128n128w4"), (1024, "m128n256"),
+        (2048, "m128n256"), (4096, "m128n256"), (8192, "m128n256"),
+    ),
+    (151936, 4096): (  # lm_head
+        (1, "m64n128"), (8, "m64n128"), (32, "m64n128"), (64, "m64n128k128"), (128, "m128n128"),
+        (256, "m128n256"), (512, "m128n256"), (1024, "m128n256"), (2048, "m128n256"),
+        (4096, "m128n256"), (8192, "m128n256"),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    num_sms: int
+    capability: tuple[int, int]
+
+
+@functools.cache
+def device_info(index: int | None) -> DeviceInfo:
+    """Queried once per device: the launch path must not pay for it on every call."""
+    if index is None:  # CPU tensors under TRITON_INTERPRET=1
+        return DeviceInfo(num_sms=4, capability=(0, 0))
+    props = torch.cuda.get_device_properties(index)
+    return DeviceInfo(num_sms=props.multi_processor_count, capability=(props.major, props.minor))
+
+
+def pick_config(m: int, n: int, k: int, dtype: torch.dtype, info: DeviceInfo) -> TileConfig:
+    """Tile shape from the problem's shape. Any choice is safe for invariance (see module doc);
+    this only trades parallelism (enough programs to stream the weights at small M) against
+    reuse (large tiles at large M)."""
+    if info.capability == (0, 0):
+        return CONFIG_INTERPRETER
+    if dtype == torch.float32:
+        return CONFIG_FP32
+    c = CONFIGS_16BIT
+    tuned = TUNED_16BIT.get((n, k))
+    if tuned:
+        return c[next((name for upper, name in tuned if m <= upper), tuned[-1][1])]
+    if m <= 64:
+        # Memory-bound: the weights are read once. Enough programs to stream them, each moving
+        # many bytes per loop iteration (per-iteration latency, not bandwidth, limits a program).
+        if triton.cdiv(n, 256) >= info.num_sms // 2:
+            return c["m64n256"]
+        return c["m64n64k128"] if triton.cdiv(n, 64) >= info.num_sms * 2 // 3 else c["m64n32k256"]
+    if m <= 128:
+        return c["m64n64k128"]
+    if m <= 256:
+        return c["m64n128k128"]
+    if m <= 512:
+        return c["m128n128w4"]
+    return c["m128n256"]
+
+
+@triton.jit
+def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    # Grouped order: GROUP_M row-tiles share each column of B while it sits in L2.
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = tile_id // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (tile_id % group_size_m)
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit(do_not_specialize=["M", "num_tiles", "grid_size"])
+def _matmul_tma_kernel(a_desc, b_desc, c_desc, bias_ptr, M, N, K, stride_am, num_tiles,
+                       grid_size, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, B_IS_NK: tl.constexpr,
+                       A_DESC: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr):
+    # A_DESC: A and C are TMA descriptors; otherwise plain pointers (A rows stride_am apart,
+    # C rows N apart), read and written with row masks. B is always a descriptor.
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    for tile_id in tl.range(tl.program_id(0), num_tiles, grid_size, flatten=True):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # The K order: chunk 0, 1, ... k_tiles-1, one dot each, into the same accumulator.
+        # Out-of-range rows/columns/K are zero-filled by the descriptor or the load mask alike.
+        for ki in range(k_tiles):
+            if A_DESC:
+                a = a_desc.load([off_m, ki * BLOCK_K])
+            else:
+                offs_k = ki * BLOCK_K + tl.arange(0, BLOCK_K)
+                a = tl.load(a_desc + offs_m[:, None] * stride_am + offs_k[None, :],
+                            mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+            if B_IS_NK:
+                b = b_desc.load([off_n, ki * BLOCK_K]).T
+            else:
+                b = b_desc.load([ki * BLOCK_K, off_n])
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+            acc = acc + bias.to(tl.float32)[None, :]
+        if A_DESC:
+            c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+        else:
+            tl.store(c_desc + offs_m[:, None] * N + offs_n[None, :],
+                     acc.to(c_desc.dtype.element_ty),
+                     mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit
+def _matmul_ptr_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
+                       stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr):
+    pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N),
+                                GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Same K order as the TMA kernel: masked-out elements load as 0 and add exactly nothing.
+    for ki in range(tl.cdiv(K, BLOCK_K)):
+        k = ki * BLOCK_K + offs_k
+        a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :] * stride_ak,
+                    mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)
+        b = tl.load(b_ptr + k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
+                    mask=(k[:, None] < K) & (offs_n[None, :] < N), other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+        acc = acc + bias.to(tl.float32)[None, :]
+    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+             acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def _check(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"matmul wants 2-D operands, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"matmul shapes do not chain: {tuple(a.shape)} @ {tuple(b.shape)}")
+    if a.dtype not in _SUPPORTED or b.dtype != a.dtype:
+        raise TypeError(f"matmul supports {_SUPPORTED} with equal dtypes, got {a.dtype}, {b.dtype}")
+    if a.device != b.device:
+        raise ValueError(f"matmul operands on different devices: {a.device}, {b.device}")
+    if bias is not None and (bias.shape != (b.shape[1],) or bias.dtype != a.dtype
+                             or bias.device != a.device):
+        raise ValueError(f"bias must be [{b.shape[1]}] {a.dtype} on {a.device}")
+
+
+def clear_caches() -> None:
+    """Forget the per-weight launch state (after TUNED_16BIT changes)."""
+    _WEIGHTS.clear()
+
+
+def _tma_ok(t: torch.Tensor, strides: tuple[int, ...]) -> bool:
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and all((s * size) % 16 == 0 for s in strides)
+
+
+def _b_layout(b: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(tensor, is_nk): a transposed nn.Linear weight W.t() is used as W [N, K] without a copy."""
+    k, n = b.shape
+    if b.stride(0) == 1 and (n == 1 or b.stride(1) >= k):
+        return b.t(), True
+    if b.stride(1) == 1 and (k == 1 or b.stride(0) >= n):
+        return b, False
+    return b.contiguous(), False
+
+
+def _a_desc(m: int, cfg: TileConfig) -> bool:
+    """A and C through TMA descriptors from DESC_MIN_TILES row tiles up (measured on H200:
+    from one tile on, descriptors beat masked loads by up to 1.5x). Below a tile A is read
+    with masked loads: TMA zero-fills rows past M far slower than it streams the weights, and
+    a padded copy of A costs a launch. The K order is the same either way."""
+    return m >= DESC_MIN_TILES * cfg.block_m
+
+
+class _Launch:
+    """One (weight, tile config, A path) on the fast path: the compiled kernel and every
+    argument that depends only on the weight, the bias and the tile choice."""
+
+    def __init__(self, a: torch.Tensor, bt: torch.Tensor, b_is_nk: bool,
+                 bias: torch.Tensor | None, cfg: TileConfig, a_desc: bool, info: DeviceInfo):
+        m, k = a.shape
+        n = bt.shape[0] if b_is_nk else bt.shape[1]
+        c = a.new_empty((m, n))
+        b_block = [cfg.block_n, cfg.block_k] if b_is_nk else [cfg.block_k, cfg.block_n]
+        b_desc = TensorDescriptor(bt, list(bt.shape), [bt.stride(0), 1], b_block)
+        a_arg = TensorDescriptor(a, [m, k], [k, 1], [cfg.block_m, cfg.block_k]) if a_desc else a
+        c_arg = TensorDescriptor(c, [m, n], [n, 1], [cfg.block_m, cfg.block_n]) if a_desc else c
+        self.launcher = Launcher(
+            _matmul_tma_kernel, (1,),
+            (a_arg, b_desc, c_arg, bias if bias is not None else c, m, n, k, k, 1, 1,
+             cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, b_is_nk, a_desc,
+             bias is not None, "ieee" if a.dtype == torch.float32 else "tf32"),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        self.b_args = tuple(self.launcher.descriptor_arg(1 if a_desc else 0, b_desc))
+        self.encode_a = self.launcher.encoder(0) if a_desc else None
+        self.encode_c = self.launcher.encoder(2) if a_desc else None
+        self.block_m = cfg.block_m
+        self.n_tiles = triton.cdiv(n, cfg.block_n)
+        self.max_programs = info.num_sms * cfg.ctas_per_sm
+        # (A's address, C's address, M) -> the encoded A, B and C descriptor arguments. An
+        # eager loop's activations come back at the same addresses from the caching
+        # allocator, so the two per-call encodings are mostly found here; a descriptor is a
+        # function of address, shape and tile alone, so a reused address gets the same one.
+        self.descriptors: dict[tuple[int, int, int], tuple] = {}
+
+    def descriptor_args(self, a_ptr: int, c_ptr: int, m: int, n: int, k: int) -> tuple:
+        key = (a_ptr, c_ptr, m)
+        args = self.descriptors.get(key)
+        if args is None:
+            if len(self.descriptors) >= _MAX_DESCRIPTORS:
+                self.descriptors.clear()
+            args = self.descriptors[key] = (*self.encode_a(a_ptr, [m, k], [k, 1]),
+                                            *self.b_args,
+                                            *self.encode_c(c_ptr, [m, n], [n, 1]))
+        return args
+
+
+class _Weight:
+    """What the fast path keeps per weight (and bias): nothing that holds the tensors."""
+
+    def __init__(self, bt: torch.Tensor, b_is_nk: bool, bias: torch.Tensor | None,
+                 info: DeviceInfo):
+        self.b_is_nk = b_is_nk
+        self.n, self.k = bt.shape if b_is_nk else (bt.shape[1], bt.shape[0])
+        self.dtype = bt.dtype
+        self.device = bt.get_device()
+        self.info = info
+        self.bias_ptr = bias.data_ptr() if bias is not None else 0
+        self.by_m: dict[int, _Plan] = {}
+        self.by_config: dict[tuple[TileConfig, bool], _Launch] = {}
+
+    def plan_for(self, a: torch.Tensor, bt: torch.Tensor, bias: torch.Tensor | None,
+                 m: int) -> _Plan:
+        cfg = pick_config(m, self.n, self.k, self.dtype, self.info)
+        key = (cfg, _a_desc(m, cfg))
+        launch = self.by_config.get(key)
+        if launch is None:
+            launch = _Launch(a, bt, self.b_is_nk, bias, cfg, key[1], self.info)
+            self.by_config[key] = launch
+        plan = self.by_m[m] = _Plan(launch, m, self.n, self.k)
+        return plan
+
+
+class _Plan:
+    """One (weight, M): the launch state and the call's arguments that follow from M alone,
+    so that a call computes nothing but A's and C's addresses."""
+
+    __slots__ = ("launch", "grid", "tail")
+
+    def __init__(self, launch: _Launch, m: int, n: int, k: int):
+        num_tiles = triton.cdiv(m, launch.block_m) * launch.n_tiles
+        self.launch = launch
+        self.grid = min(num_tiles, launch.max_programs)
+        self.tail = (m, n, k, k, num_tiles, self.grid)  # M, N, K, stride_am, tiles, grid
+
+
+# (weight data_ptr, shape, strides, dtype, bias data_ptr) -> _Weight, or None where the fast
+# path does not apply. Keyed by address, not by tensor: an entry holds no reference, and a
+# later tensor at the same address with the same shape and strides gets the same descriptor.
+_WEIGHTS: dict[tuple, _Weight | None] = {}
+_MAX_WEIGHTS = 4096
+_MAX_DESCRIPTORS = 64  # per launch state
+
+
+def _weight_for(key: tuple, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
+                ) -> _Weight | None:
+    _check(a, b, bias)
+    info = device_info(b.get_device())
+    bt, b_is_nk = _b_layout(b)
+    ok = (info.capability >= (9, 0) and bt.data_ptr() == b.data_ptr()  # a view, not a copy
+          and a.dtype in (torch.bfloat16, torch.float16, torch.float32)
+          and _tma_ok(bt, (bt.stride(0),)) and (b.shape[1] * b.element_size()) % 16 == 0
+          and (b.shape[0] * b.element_size()) % 16 == 0  # A's rows, K long, TMA-addressable
+          and (bias is None or bias.data_ptr() % 16 == 0) and b.shape[0] > 0
+          and b.shape[1] > 0)
+    if len(_WEIGHTS) >= _MAX_WEIGHTS:
+        _WEIGHTS.clear()
+    weight = _Weight(bt, b_is_nk, bias, info) if ok else None
+    _WEIGHTS[key] = weight
+    return weight
+
+
+def _matmul_fast(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
+                 ) -> torch.Tensor | None:
+    """The CUDA launch with per-call host work cut to the bone; None where it does not apply
+    (the JIT path below then runs the same kernels)."""
+    if a.dim() != 2 or b.dim() != 2:
+        return None
+    key = (b.data_ptr(), b.shape, b.stride(), b.dtype,
+           bias.data_ptr() if bias is not None else 0)
+    weight = _WEIGHTS.get(key, False)
+    if weight is False:
+        weight = _weight_for(key, a, b, bias)
+    if weight is None:
+        return None
+    m, k = a.shape
+    a_ptr = a.data_ptr()
+    # is_contiguous: A's rows are K apart (K >= 8 here, so its one element stride is 1 too).
+    if (k != weight.k or a.dtype != weight.dtype or m == 0 or a_ptr % 16
+            or not a.is_contiguous() or a.get_device() != weight.device):
+        return None
+    plan = weight.by_m.get(m)
+    if plan is None:
+        bt, _ = _b_layout(b)
+        try:
+            plan = weight.plan_for(a, bt, bias, m)
+        except Unsupported:
+            _WEIGHTS[key] = None
+            return None
+    c = a.new_empty((m, weight.n))
+    c_ptr = c.data_ptr()
+    launch, n = plan.launch, weight.n
+    stream = raw_stream(weight.device)
+    if launch.encode_a is not None:  # A and C through TMA descriptors
+        launch.launcher(plan.grid, 1, 1, stream, *launch.descriptor_args(a_ptr, c_ptr, m, n, k),
+                        weight.bias_ptr or c_ptr, *plan.tail)
+    else:
+        launch.launcher(plan.grid, 1, 1, stream, a_ptr, *launch.b_args, c_ptr,
+                        weight.bias_ptr or c_ptr, *plan.tail)
+    return c
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
+           config: TileConfig | None = None, a_desc: bool | None = None) -> torch.Tensor:
+    """a [M, K] @ b [K, N] (+ bias [N]) -> [M, N] in a's dtype; rows independent of M.
+
+    `config` overrides the tile choice and `a_desc` the A path (benchmarks and invariance
+    checks only: both go through the JIT launch)."""
+    if config is None and a_desc is None and a.is_cuda:
+        out = _matmul_fast(a, b, bias)
+        if out is not None:
+            return out
+    _check(a, b, bias)
+    m, k = a.shape
+    n = b.shape[1]
+    if m == 0 or n == 0 or k == 0:
+        out = torch.zeros((m, n), dtype=a.dtype, device=a.device)
+        return out + bias if bias is not None else out
+    if a.stride(1) != 1 or (m > 1 and a.stride(0) < k):
+        a = a.contiguous()
+    a_stride0 = a.stride(0) if m > 1 else k
+    bt, b_is_nk = _b_layout(b)
+    info = device_info(a.device.index if a.device.type == "cuda" else None)
+    cfg = config or pick_config(m, n, k, a.dtype, info)
+    precision = "ieee" if a.dtype == torch.float32 else "tf32"
+    use_tma = (info.capability >= (9, 0) or info.capability == (0, 0)) and \
+        _tma_ok(a, (a_stride0,)) and _tma_ok(bt, (bt.stride(0),)) and \
+        (n * a.element_size()) % 16 == 0
+    c = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    bias_arg = bias if bias is not None else c
+    if use_tma:
+        desc = _a_desc(m, cfg) if a_desc is None else a_desc
+        b_block = [cfg.block_n, cfg.block_k] if b_is_nk else [cfg.block_k, cfg.block_n]
+        b_arg = TensorDescriptor(bt, list(bt.shape), [bt.stride(0), 1], b_block)
+        a_arg = TensorDescriptor(a, [m, k], [a_stride0, 1], [cfg.block_m, cfg.block_k]) \
+            if desc else a
+        c_arg = TensorDescriptor(c, [m, n], [n, 1], [cfg.block_m, cfg.block_n]) if desc else c
+        num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+        grid = min(num_tiles, info.num_sms * cfg.ctas_per_sm)
+        _matmul_tma_kernel[(grid,)](
+            a_arg, b_arg, c_arg, bias_arg, m, n, k, a_stride0, num_tiles, grid,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            B_IS_NK=b_is_nk, A_DESC=desc, HAS_BIAS=bias is not None, PRECISION=precision,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    else:
+        stride_bk, stride_bn = (bt.stride(1), bt.stride(0)) if b_is_nk else bt.stride()
+        grid = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+        _matmul_ptr_kernel[(grid,)](
+            a, bt, c, bias_arg, m, n, k, a_stride0, 1, stride_bk, stride_bn, n, 1,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            HAS_BIAS=bias is not None, PRECISION=precision,
+            num_warps=cfg.num_warps, num_stages=min(cfg.num_stages, 4))
+    return c

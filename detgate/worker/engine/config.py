@@ -1,0 +1,83 @@
+"""EngineConfig: every knob of one worker process, built once where the process starts."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from detgate.contract.constants import DEFAULT_DTYPE, DEFAULT_MODE, DTYPES, MODES
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "tiny"
+    mode: str = DEFAULT_MODE
+    device: str = "cpu"
+    dtype: str = DEFAULT_DTYPE
+    # Scheduler limits: sequences in flight and tokens run in one step.
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    # Longest prefill chunk one sequence gets in a step; None = only the token budget limits it.
+    chunk_size: int | None = None
+    block_size: int = 16
+    # KV cache size: blocks, or MiB; neither = enough for max_num_seqs full-length sequences
+    # on CPU (capped at DEFAULT_CPU_KV_MB) or a share of free memory on CUDA.
+    num_kv_blocks: int | None = None
+    kv_cache_mb: int | None = None
+    enable_prefix_cache: bool = True
+    # None = the model's max_position_embeddings (capped by the KV cache's capacity).
+    max_model_len: int | None = None
+    max_n: int = 16
+    # CUDA only: run every step eagerly instead of replaying decode steps from CUDA graphs.
+    enforce_eager: bool = False
+    # batch_invariant on the CPU: check the kernels' invariance on the model's shapes first.
+    self_check: bool = True
+    # Schedule and launch step n + 1 before waiting for step n's results, so that on CUDA the
+    # host's work hides behind the GPU's. None = on for CUDA, off on the CPU (where nothing
+    # overlaps: each launch computes at once; the bookkeeping is the same either way).
+    async_scheduling: bool | None = None
+    # batch_invariant fp32 on the CPU: read a GGUF's quantised blocks in place ("quantised")
+    # or its dequantised fp32 weights ("fp32"); the same bits either way.
+    weights_format: str = "quantised"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.block_size < 16 or self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a power of two >= 16")
+        if self.weights_format not in ("quantised", "fp32"):
+            raise ValueError(f"weights_format must be quantised or fp32, got "
+                             f"{self.weights_format!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "num_kv_blocks",
+                     "kv_cache_mb", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive")
+
+    @property
+    def overlaps_steps(self) -> bool:
+        """Whether steps are scheduled asynchronously (`async_scheduling` resolved)."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self.device.startswith("cuda")
+
+    @property
+    def prefill_chunk(self) -> int:
+        return self.chunk_size or self.max_num_batched_tokens
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EngineConfig:
+        """From `detgate worker` / `detgate bench engine` arguments (absent flags keep defaults)."""
+        values = {name: getattr(args, name) for name in cls.__dataclass_fields__
+                  if getattr(args, name, None) is not None}
+        if getattr(args, "no_prefix_cache", False):
+            values["enable_prefix_cache"] = False
+        if getattr(args, "skip_self_check", False):
+            values["self_check"] = False
+        return cls(**values)
+
+
+DEFAULT_CPU_KV_MB = 1024
+CUDA_KV_MEMORY_FRACTION = 0.85

@@ -1,0 +1,77 @@
+"""DETGATE_REDIS_URL's forms (gateway/store.py) and the keys' layout (gateway/keys.py): what
+each URL asks for, the mistakes refused at start, every key of a tenant on one hash slot."""
+
+from __future__ import annotations
+
+import pytest
+from redis.crc import key_slot
+
+from detgate.gateway.config import Settings
+from detgate.gateway.keys import Keys
+from detgate.gateway.store import CLUSTER, SENTINEL, STANDALONE, RedisTarget
+
+
+@pytest.mark.parametrize(("url", "expected"), [
+    ("redis://127.0.0.1:6379/0", {"mode": STANDALONE}),
+    ("rediss://:pw@cache.internal:6380/2", {"mode": STANDALONE}),
+    ("unix:///run/redis.sock?db=3", {"mode": STANDALONE}),
+    ("redis+cluster://10.0.0.1:7000,10.0.0.2:7001,10.0.0.3", {
+        "mode": CLUSTER, "nodes": (("10.0.0.1", 7000), ("10.0.0.2", 7001), ("10.0.0.3", 6379)),
+        "tls": False, "password": None}),
+    ("rediss+cluster://default:s%40cret@[::1]:7000/0", {
+        "mode": CLUSTER, "nodes": (("::1", 7000),), "tls": True, "username": "default",
+        "password": "s@cret"}),
+    ("redis+sentinel://:pw@s1:26380,s2/mymaster", {
+        "mode": SENTINEL, "nodes": (("s1", 26380), ("s2", 26379)), "master": "mymaster",
+        "db": 0, "password": "pw", "sentinel_auth": {}}),
+    ("redis+sentinel://s1/mymaster/4?sentinel_password=spw", {
+        "mode": SENTINEL, "master": "mymaster", "db": 4, "password": None,
+        "sentinel_auth": {"sentinel_password": "spw"}}),
+])
+def test_url_forms(url: str, expected: dict) -> None:
+    target = RedisTarget.parse(url)
+    for field, value in expected.items():
+        assert getattr(target, field) == value, field
+    assert target.replicated == (target.mode != STANDALONE)
+
+
+@pytest.mark.parametrize("url", [
+    "redis+shard://h:1",  # no such form
+    "http+cluster://h:1",
+    "redis+cluster://",  # no host
+    "redis+cluster://h:1/3",  # a cluster has database 0 only
+    "redis+cluster://h:1?ssl_cert_reqs=none",  # options are not passed on silently
+    "redis+cluster://h:99999",
+    "redis+sentinel://s1",  # no master name
+    "redis+sentinel://s1/m/x",  # a database is a number
+    "redis+sentinel://s1/m?password=x",  # the master's password goes in the user-info
+])
+def test_bad_urls_stop_the_start(url: str, monkeypatch) -> None:
+    with pytest.raises(ValueError):
+        RedisTarget.parse(url)
+    monkeypatch.setenv("DETGATE_REDIS_URL", url)
+    with pytest.raises(ValueError):
+        Settings()
+
+
+def test_replicas_are_waited_for_where_there_are_replicas(monkeypatch) -> None:
+    assert Settings(redis_url="redis://127.0.0.1:6379/0").wait_replicas == 0
+    assert Settings(redis_url="redis+cluster://h:7000").wait_replicas == 1
+    assert Settings(redis_url="redis+sentinel://s/m").wait_replicas == 1
+    assert Settings(redis_url="redis+sentinel://s/m", redis_wait_replicas=0).wait_replicas == 0
+    assert "pw" not in repr(Settings(redis_url="redis://:pw@h:6379/0"))
+
+
+def test_every_key_of_a_tenant_is_on_one_slot() -> None:
+    keys = Keys("detgate")
+    for tenant in ("default", "team-a", "t.1_x"):
+        names = [keys.record(tenant, "chatcmpl-1"), keys.replays(tenant, "chatcmpl-1"),
+                 keys.index(tenant), keys.stored(tenant), keys.expiries(tenant),
+                 keys.rates(tenant), keys.drift(tenant), keys.refusals(tenant)]
+        assert {key_slot(n.encode()) for n in names} == {key_slot(tenant.encode())}, names
+        assert all(n.startswith("detgate:") for n in names)
+    # Negative control: without the tag the same keys land all over the slots.
+    assert len({key_slot(f"detgate:{kind}:default".encode())
+                for kind in ("rec", "idx", "sto", "exp", "lim", "drf", "ref")}) > 1
+    with pytest.raises(ValueError):
+        Keys("detgate{x}")

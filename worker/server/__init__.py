@@ -1,3 +1,0 @@
-"""`detgate worker`'s OpenAI-compatible HTTP server. A request flows one way:
-app (routes, errors) -> the endpoint's module (completions, score, status) -> generation
-(engine sequences to choices) -> the engine's public API."""

@@ -1,1 +1,0 @@
-"""Checkpoint tooling behind the CLI: `detgate make-model` and the demo tokenizer's training."""
