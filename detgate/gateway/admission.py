@@ -8,7 +8,10 @@ capacity requests at once and at most `timeout_s` each; past either it is refuse
 straight to the first waiter it suits (its model, fingerprint or pinned worker), so a
 newcomer never overtakes a waiter, and a waiter whose weight does not fit yet keeps its
 place (it is not starved by smaller requests behind it). A waiter that leaves (its client
-gone, its time up) takes nothing with it.
+gone, its time up) takes nothing with it. Many waiters can be cancelled in one loop turn (a
+load tool cancelling everything it sent): each one's future is cancelled at once, but it
+leaves the queue only when its task next runs, so a hand-off in between skips (and drops)
+a waiter whose future is already done instead of handing it a slot.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ class Admission:
 
     def wanted(self, worker: Any) -> bool:
         """A waiter would take a slot of `worker`: newcomers queue behind it."""
-        return bool(self.waiting) and any(w.accepts(worker) for w in self.waiting)
+        return any(not w.future.done() and w.accepts(worker) for w in self.waiting)
 
     def _refuse(self, why: str) -> Overloaded:
         return Overloaded(f"the gateway's workers are busy ({why}); retry shortly",
@@ -82,6 +85,9 @@ class Admission:
         """Give `worker`'s free room to the waiters it suits, oldest first; stop at the first
         one that does not fit yet (it keeps its turn)."""
         for waiter in list(self.waiting):
+            if waiter.future.done():  # cancelled (its client left), not yet out of the queue
+                self.waiting.remove(waiter)
+                continue
             if not waiter.accepts(worker):
                 continue
             if worker.seqs + worker.need(waiter.weight) > worker.capacity:
@@ -96,6 +102,8 @@ class Admission:
         timeout."""
         workers = list(workers)
         for waiter in list(self.waiting):
-            if not any(waiter.accepts(w) for w in workers):
+            if waiter.future.done():
+                self.waiting.remove(waiter)
+            elif not any(waiter.accepts(w) for w in workers):
                 self.waiting.remove(waiter)
                 waiter.future.set_exception(error)

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 
 import httpx
 import orjson
 import pytest
 import redis
 
+from detgate.gateway.admission import Admission, Fits
 from tests.gateway.test_gateway_faults import model_of
 from tests.support.worker_metrics import assert_all_work_stopped, idle, wait_until, worker_gauge
 
@@ -35,6 +37,62 @@ def records(gw) -> list[dict]:
 # Greedy from this prompt, the tiny model runs to max_tokens (no end-of-text on the way).
 LONG = "Long story:"
 ABORTED = 'detgate_worker_requests_total{finish_reason="abort"}'
+
+
+def unhandled(gw) -> list[str]:
+    """The gateway's own 5xx (503 `overloaded` is a refusal, not a fault) and logged errors."""
+    codes = [f"{code} on {endpoint}" for endpoint in ("/v1/completions", "/v1/chat/completions")
+             for code in ("500", "502", "504")
+             if gw.metric("detgate_requests_total", code=code, endpoint=endpoint)]
+    return codes + [line for line in gw.proc.log().splitlines() if "unhandled error" in line]
+
+
+@dataclass(eq=False)
+class _Slots:
+    """A worker as admission sees it: sequences held against a capacity."""
+
+    capacity: int
+    seqs: int = 0
+
+    def need(self, weight: int) -> int:
+        return min(weight, self.capacity)
+
+
+def test_waiters_cancelled_in_one_turn_hand_no_slot_to_each_other():
+    """A load tool cancelling everything it sent: a waiter just handed a slot and the waiters
+    behind it are cancelled in the same loop turn. The first gives its slot back as it
+    leaves; the hand-off must skip the others (their futures already cancelled, their tasks
+    not yet run) instead of failing on them. Before: InvalidStateError, a 500 per request."""
+
+    async def scenario() -> tuple[list, int]:
+        admission = Admission(queue_factor=4, timeout_s=30, retry_after_s=1)
+        worker = _Slots(capacity=1, seqs=1)  # full: everyone waits
+
+        def acquire(w: _Slots, weight: int) -> None:
+            w.seqs += w.need(weight)
+
+        async def take() -> _Slots:
+            waiter = Fits(lambda w: True, 1)
+            try:
+                return await admission.wait(waiter, 8, time.monotonic() + 30)
+            except BaseException:
+                if waiter.handed is not None:  # as the router does: give the slot back
+                    waiter.handed.seqs -= 1
+                    admission.hand_off(waiter.handed, acquire)
+                raise
+
+        tasks = [asyncio.create_task(take()) for _ in range(4)]
+        await asyncio.sleep(0)
+        worker.seqs = 0
+        admission.hand_off(worker, acquire)  # the first waiter is handed the slot ...
+        for t in tasks:  # ... and every client leaves before any of them runs again
+            t.cancel()
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        return [type(o).__name__ for o in outcomes], worker.seqs, admission.depth
+
+    outcomes, held, depth = asyncio.run(scenario())
+    assert outcomes == ["CancelledError"] * 4
+    assert (held, depth) == (0, 0)
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +147,7 @@ def test_burst_of_512_is_bounded_and_its_cancellation_stops_all_work(start_gatew
     # Every cancelled request stops: the workers go idle, nothing waits in the gateway.
     stopped_s = assert_all_work_stopped(gw, [w.url for w in workers])
     print(f"workers idle {stopped_s:.1f} s after the cancellation")
+    assert unhandled(gw) == []
     # What reached a worker is recorded `aborted`: the 16 running, and any queued one that
     # got a freed slot before its own client's hang-up was seen; the others never ran.
     wait_until(lambda: len(records(gw)) >= 16)
