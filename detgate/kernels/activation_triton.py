@@ -18,6 +18,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from detgate.kernels import pdl
+
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 BLOCK = 1024
 
@@ -32,7 +34,9 @@ else:  # tl.exp would be the approximate ex2.approx; libdevice's expf is what CU
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, size, stride_x, stride_out, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, size, stride_x, stride_out, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < size
@@ -54,7 +58,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         x2 = x2.contiguous()
     out = torch.empty((x2.shape[0], size), dtype=x.dtype, device=x.device)
     if x2.shape[0] and size:
+        on = pdl.on(x2)
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(size, BLOCK))](
-            x2, out, size, x2.stride(0), out.stride(0), BLOCK=BLOCK, num_warps=4,
-            enable_fp_fusion=False)
+            x2, out, size, x2.stride(0), out.stride(0), BLOCK=BLOCK, PDL=on, num_warps=4,
+            enable_fp_fusion=False, launch_pdl=on)
     return out.view(*x.shape[:-1], size)

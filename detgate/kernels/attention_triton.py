@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from detgate.kernels import pdl
 from detgate.kernels.attention_tiles import SHIPPED
 
 # BLOCK_M: rows (query x group head) per program; BLOCK_N: KV positions per tile.
@@ -40,7 +41,9 @@ _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_kt, stride_vt,
-                     stride_cache_slot, ROW: tl.constexpr, ROW_PAD: tl.constexpr):
+                     stride_cache_slot, ROW: tl.constexpr, ROW_PAD: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl.enter(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     if slot < 0:
@@ -129,7 +132,8 @@ def _attn_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, qsl_ptr, 
                  qk_scale, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, KV_SPLIT: tl.constexpr, SPLIT_PROGRAMS: tl.constexpr,
-                 PRECISION: tl.constexpr):
+                 PRECISION: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -185,9 +189,10 @@ def _attn_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, qsl_ptr, 
 def _combine_kernel(out_ptr, qsl_ptr, seq_lens_ptr, ws_ml_ptr, ws_acc_ptr, num_seqs,
                     stride_ot, stride_oh, stride_ws_t, stride_ws_h, HQ: tl.constexpr,
                     HEADS: tl.constexpr, DIMS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    KV_SPLIT: tl.constexpr):
+                    KV_SPLIT: tl.constexpr, PDL: tl.constexpr):
     """One program per (token, HEADS heads, DIMS of the head dim): merges the token's splits
     0..pos // KV_SPLIT in order."""
+    pdl.enter(PDL)
     tok = tl.program_id(0)
     seq = _find_seq(qsl_ptr, tok, num_seqs, 1, False)
     q_end = tl.load(qsl_ptr + seq + 1)
@@ -226,9 +231,10 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     k2 = k.reshape(num_tokens, -1).to(k_cache.dtype)
     v2 = v.reshape(num_tokens, -1).to(v_cache.dtype)
     row = k2.shape[1]
+    on = pdl.on(k2)
     _store_kv_kernel[(num_tokens,)](k2, v2, k_cache, v_cache, slot_mapping, k2.stride(0),
                                     v2.stride(0), k_cache.stride(1), ROW=row,
-                                    ROW_PAD=triton.next_power_of_2(row))
+                                    ROW_PAD=triton.next_power_of_2(row), PDL=on, launch_pdl=on)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -259,6 +265,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if split_programs is None:
         split_programs = max_splits > 1 and q_blocks * hkv < 2 * _num_sms(q.device.index or 0)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    on = pdl.on(q)
     qsl = query_start_loc.to(torch.int32)
     lens = seq_lens.to(torch.int32)
     tables = block_tables.to(torch.int32)
@@ -274,13 +281,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                        k_cache.stride(1), k_cache.stride(2), hq * max_splits, max_splits,
                        scale * _LOG2E, BLOCK_SIZE=block_size, HEAD_DIM=d, GROUP=group,
                        GROUP_PAD=group_pad, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, KV_SPLIT=KV_SPLIT,
-                       SPLIT_PROGRAMS=split_programs, PRECISION=precision,
-                       num_warps=NUM_WARPS, num_stages=NUM_STAGES, enable_fp_fusion=False)
+                       SPLIT_PROGRAMS=split_programs, PRECISION=precision, PDL=on,
+                       num_warps=NUM_WARPS, num_stages=NUM_STAGES, enable_fp_fusion=False,
+                       launch_pdl=on)
     if split_programs:
         heads, dims = min(COMBINE_HEADS, hq), min(COMBINE_DIMS, d)
         grid = (num_tokens, triton.cdiv(hq, heads), d // dims)
         _combine_kernel[grid](out, qsl, lens, ws_ml, ws_acc, num_seqs, out.stride(0),
                               out.stride(1), hq * max_splits, max_splits, HQ=hq,
                               HEADS=triton.next_power_of_2(heads), DIMS=dims, HEAD_DIM=d,
-                              KV_SPLIT=KV_SPLIT, num_warps=NUM_WARPS, enable_fp_fusion=False)
+                              KV_SPLIT=KV_SPLIT, PDL=on, num_warps=NUM_WARPS,
+                              enable_fp_fusion=False, launch_pdl=on)
     return out

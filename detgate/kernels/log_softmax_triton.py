@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from detgate.kernels import pdl
 from detgate.kernels.triton_launch import Launcher, Unsupported, raw_stream
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
@@ -33,7 +34,8 @@ NUM_WARPS = 8
 
 @triton.jit
 def _chunk_stats_kernel(x_ptr, stats_ptr, V, stride_x, num_chunks, CHUNK: tl.constexpr,
-                        BLOCK: tl.constexpr):
+                        BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     x_row = x_ptr + row * stride_x
@@ -58,7 +60,9 @@ def _chunk_stats_kernel(x_ptr, stats_ptr, V, stride_x, num_chunks, CHUNK: tl.con
 
 @triton.jit
 def _chunk_write_kernel(x_ptr, stats_ptr, out_ptr, V, stride_x, stride_out, num_chunks,
-                        CHUNK: tl.constexpr, BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+                        CHUNK: tl.constexpr, BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr,
+                        PDL: tl.constexpr):
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cs = tl.arange(0, CHUNKS_PAD)
@@ -108,13 +112,15 @@ def _launch_fast(rows: torch.Tensor, stats: torch.Tensor, out: torch.Tensor,
     key = (device, rows.dtype, v, chunk, block)
     launchers = _LAUNCHERS.get(key, False)
     if launchers is False:
+        on = pdl.on(rows)
         try:
             launchers = (
                 Launcher(_chunk_stats_kernel, (n_rows, chunks),
-                         (rows, stats, v, v, chunks, chunk, block), num_warps=NUM_WARPS),
+                         (rows, stats, v, v, chunks, chunk, block, on), num_warps=NUM_WARPS,
+                         launch_pdl=on),
                 Launcher(_chunk_write_kernel, (n_rows, chunks),
-                         (rows, stats, out, v, v, v, chunks, chunk, block, chunks_pad),
-                         num_warps=NUM_WARPS))
+                         (rows, stats, out, v, v, v, chunks, chunk, block, chunks_pad, on),
+                         num_warps=NUM_WARPS, launch_pdl=on))
         except Unsupported:
             launchers = None
         _LAUNCHERS[key] = launchers
@@ -148,10 +154,11 @@ def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         out, stats = buf[:n_rows * v].view(n_rows, v), buf[size:]
         if not (rows.is_cuda and _launch_fast(rows, stats, out, shape)):
             grid = (n_rows, chunks)
+            on = pdl.on(rows)
             _chunk_stats_kernel[grid](rows, stats, v, rows.stride(0), chunks, CHUNK=chunk,
-                                      BLOCK=block, num_warps=NUM_WARPS)
+                                      BLOCK=block, PDL=on, num_warps=NUM_WARPS, launch_pdl=on)
             _chunk_write_kernel[grid](rows, stats, out, v, rows.stride(0), out.stride(0), chunks,
-                                      CHUNK=chunk, BLOCK=block, CHUNKS_PAD=chunks_pad,
-                                      num_warps=NUM_WARPS)
+                                      CHUNK=chunk, BLOCK=block, CHUNKS_PAD=chunks_pad, PDL=on,
+                                      num_warps=NUM_WARPS, launch_pdl=on)
     out = out.view(moved.shape)
     return out if moved is x else out.movedim(-1, dim)

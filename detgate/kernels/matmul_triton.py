@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from detgate.kernels import pdl
 from detgate.kernels.triton_launch import Launcher, Unsupported, raw_stream
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
@@ -162,7 +163,9 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 def _matmul_tma_kernel(a_desc, b_desc, c_desc, bias_ptr, M, N, K, stride_am, num_tiles,
                        grid_size, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, B_IS_NK: tl.constexpr,
-                       A_DESC: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr):
+                       A_DESC: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+                       PDL: tl.constexpr):
+    pdl.enter(PDL)  # launched early, waits for A's producer (kernels/pdl.py)
     # A_DESC: A and C are TMA descriptors; otherwise plain pointers (A rows stride_am apart,
     # C rows N apart), read and written with row masks. B is always a descriptor.
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -204,7 +207,9 @@ def _matmul_tma_kernel(a_desc, b_desc, c_desc, bias_ptr, M, N, K, stride_am, num
 def _matmul_ptr_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
                        stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr):
+                       GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+                       PDL: tl.constexpr):
+    pdl.enter(PDL)
     pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N),
                                 GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -281,12 +286,13 @@ class _Launch:
         b_desc = TensorDescriptor(bt, list(bt.shape), [bt.stride(0), 1], b_block)
         a_arg = TensorDescriptor(a, [m, k], [k, 1], [cfg.block_m, cfg.block_k]) if a_desc else a
         c_arg = TensorDescriptor(c, [m, n], [n, 1], [cfg.block_m, cfg.block_n]) if a_desc else c
+        on = pdl.on(a)
         self.launcher = Launcher(
             _matmul_tma_kernel, (1,),
             (a_arg, b_desc, c_arg, bias if bias is not None else c, m, n, k, k, 1, 1,
              cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, b_is_nk, a_desc,
-             bias is not None, "ieee" if a.dtype == torch.float32 else "tf32"),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+             bias is not None, "ieee" if a.dtype == torch.float32 else "tf32", on),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=on)
         self.b_args = tuple(self.launcher.descriptor_arg(1 if a_desc else 0, b_desc))
         self.encode_a = self.launcher.encoder(0) if a_desc else None
         self.encode_c = self.launcher.encoder(2) if a_desc else None
@@ -444,6 +450,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         (n * a.element_size()) % 16 == 0
     c = torch.empty((m, n), dtype=a.dtype, device=a.device)
     bias_arg = bias if bias is not None else c
+    on = pdl.on(a)
     if use_tma:
         desc = _a_desc(m, cfg) if a_desc is None else a_desc
         b_block = [cfg.block_n, cfg.block_k] if b_is_nk else [cfg.block_k, cfg.block_n]
@@ -457,13 +464,13 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
             a_arg, b_arg, c_arg, bias_arg, m, n, k, a_stride0, num_tiles, grid,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             B_IS_NK=b_is_nk, A_DESC=desc, HAS_BIAS=bias is not None, PRECISION=precision,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            PDL=on, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=on)
     else:
         stride_bk, stride_bn = (bt.stride(1), bt.stride(0)) if b_is_nk else bt.stride()
         grid = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
         _matmul_ptr_kernel[(grid,)](
             a, bt, c, bias_arg, m, n, k, a_stride0, 1, stride_bk, stride_bn, n, 1,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            HAS_BIAS=bias is not None, PRECISION=precision,
-            num_warps=cfg.num_warps, num_stages=min(cfg.num_stages, 4))
+            HAS_BIAS=bias is not None, PRECISION=precision, PDL=on,
+            num_warps=cfg.num_warps, num_stages=min(cfg.num_stages, 4), launch_pdl=on)
     return c

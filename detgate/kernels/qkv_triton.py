@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from detgate.kernels import pdl
+
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 BLOCK_H = 8  # heads per program
 NUM_WARPS = 4
@@ -36,7 +38,8 @@ NUM_WARPS = 4
 def _qkv_kernel(qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slot_ptr, cos_ptr,
                 sin_ptr, qw_ptr, kw_ptr, stride_t, stride_slot, stride_table, eps,
                 HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                HAS_NORM: tl.constexpr):
+                HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)
     D: tl.constexpr = 2 * HALF
     Q_BLOCKS: tl.constexpr = (HQ + BLOCK_H - 1) // BLOCK_H
     KV_BLOCKS: tl.constexpr = (HKV + BLOCK_H - 1) // BLOCK_H
@@ -118,9 +121,10 @@ def norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tenso
     q_w = q_weight if has_norm else cos  # unread without the norm
     k_w = k_weight if has_norm else cos
     blocks = triton.cdiv(num_heads, BLOCK_H) + 2 * triton.cdiv(num_kv_heads, BLOCK_H)
+    on = pdl.on(qkv)
     _qkv_kernel[(t, blocks)](
         qkv, q_out, k_cache, v_cache, positions, slot_mapping, cos, sin, q_w, k_w,
         qkv.stride(0), k_cache.stride(1), cos.stride(0), eps, HQ=num_heads, HKV=num_kv_heads,
-        HALF=head_dim // 2, BLOCK_H=BLOCK_H, HAS_NORM=has_norm, num_warps=NUM_WARPS,
-        enable_fp_fusion=False)
+        HALF=head_dim // 2, BLOCK_H=BLOCK_H, HAS_NORM=has_norm, PDL=on, num_warps=NUM_WARPS,
+        enable_fp_fusion=False, launch_pdl=on)
     return q_out

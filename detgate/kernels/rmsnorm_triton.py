@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from detgate.kernels import pdl
 from detgate.kernels.triton_launch import Launcher, Unsupported, raw_stream
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
@@ -28,7 +29,8 @@ MAX_HIDDEN = 65536
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, stride_x, stride_res,
                      stride_out, stride_res_out, eps,
-                     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
@@ -50,7 +52,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, stride_x, s
 
 @triton.jit
 def _row_sum_kernel(x_ptr, out_ptr, L, stride_x, scale, BLOCK: tl.constexpr,
-                    MEAN: tl.constexpr):
+                    MEAN: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), tl.float32)
@@ -88,10 +91,11 @@ def row_sum(x2: torch.Tensor, mean: bool = False) -> torch.Tensor:
         key = (device, x2.dtype, length, block, mean)
         launcher = _ROW_SUM_LAUNCHERS.get(key, False)
         if launcher is False:
+            on = pdl.on(x2)
             try:
                 launcher = Launcher(_row_sum_kernel, (rows,),
-                                    (x2, out, length, length, scale, block, mean),
-                                    num_warps=num_warps)
+                                    (x2, out, length, length, scale, block, mean, on),
+                                    num_warps=num_warps, launch_pdl=on)
             except Unsupported:
                 launcher = None
             _ROW_SUM_LAUNCHERS[key] = launcher
@@ -99,8 +103,9 @@ def row_sum(x2: torch.Tensor, mean: bool = False) -> torch.Tensor:
             launcher(rows, 1, 1, raw_stream(device), x2.data_ptr(), out.data_ptr(), length,
                      length, scale)
             return out
+    on = pdl.on(x2)
     _row_sum_kernel[(rows,)](x2, out, length, x2.stride(0), scale, BLOCK=block, MEAN=mean,
-                             num_warps=num_warps)
+                             PDL=on, num_warps=num_warps, launch_pdl=on)
     return out
 
 
@@ -141,11 +146,12 @@ def _launch_fast(x2: torch.Tensor, res2: torch.Tensor | None, weight: torch.Tens
     if launcher is False:
         block, num_warps = _config(h)
         res_arg = res2 if res2 is not None else x2
+        on = pdl.on(x2)
         try:
             launcher = Launcher(_rms_norm_kernel, (rows,), (
                 x2, res_arg, weight, out, res_out if res_out is not None else out, h, h,
                 h if res2 is not None else 0, h, h if res_out is not None else 0, eps,
-                block, res2 is not None), num_warps=num_warps)
+                block, res2 is not None, on), num_warps=num_warps, launch_pdl=on)
         except Unsupported:
             launcher = None
         _LAUNCHERS[key] = launcher
@@ -171,12 +177,14 @@ def _launch(x2: torch.Tensor, res2: torch.Tensor | None, weight: torch.Tensor, e
     if x2.is_cuda and _launch_fast(x2, res2, weight, eps, out, res_out):
         return out, res_out
     block, num_warps = _config(h)
+    on = pdl.on(x2)
     _rms_norm_kernel[(rows,)](
         x2, res2 if res2 is not None else x2, weight, out,
         res_out if res_out is not None else out, h, x2.stride(0),
         res2.stride(0) if res2 is not None else 0, out.stride(0),
         res_out.stride(0) if res_out is not None else 0, eps,
-        BLOCK=block, HAS_RESIDUAL=res2 is not None, num_warps=num_warps)
+        BLOCK=block, HAS_RESIDUAL=res2 is not None, PDL=on, num_warps=num_warps,
+        launch_pdl=on)
     return out, res_out
 
 

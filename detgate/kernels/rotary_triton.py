@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from detgate.kernels import pdl
+
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -23,7 +25,8 @@ _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, pos_ptr,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh,
                    stride_kot, stride_koh, stride_table, HQ: tl.constexpr, HKV: tl.constexpr,
-                   HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)  # head blocks: q's first, then k's
     q_blocks = tl.cdiv(HQ, BLOCK_H)
@@ -71,8 +74,10 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
         return q_out, k_out
     block_h = min(triton.next_power_of_2(max(hq, hkv)), 16)
     grid = (t, triton.cdiv(hq, block_h) + triton.cdiv(hkv, block_h))
+    on = pdl.on(q)
     _rotary_kernel[grid](q, k, q_out, k_out, cos, sin, positions, q.stride(0), q.stride(1),
                          k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1),
                          k_out.stride(0), k_out.stride(1), cos.stride(0), HQ=hq, HKV=hkv,
-                         HALF=dim // 2, BLOCK_H=block_h, num_warps=4, enable_fp_fusion=False)
+                         HALF=dim // 2, BLOCK_H=block_h, PDL=on, num_warps=4,
+                         enable_fp_fusion=False, launch_pdl=on)
     return q_out, k_out
