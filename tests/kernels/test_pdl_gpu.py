@@ -34,20 +34,21 @@ w_norm, w_up, w_down, w_head = randn(h) + 1, randn(2 * inter, h), randn(h, inter
 k_cache = torch.zeros(64, block, heads, d, device="cuda", dtype=torch.bfloat16)
 v_cache = torch.zeros_like(k_cache)
 
+t = 37  # tokens of one sequence, on blocks 0..2 (the metadata made before any capture)
+slots = torch.arange(t, device="cuda", dtype=torch.int64)
+tables = torch.arange(4, device="cuda", dtype=torch.int32).view(1, 4)
+starts = torch.tensor([0, t], device="cuda", dtype=torch.int32)
+lens = torch.tensor([t], device="cuda", dtype=torch.int32)
+
 def chain(x):
     y = kernels.rms_norm(x, w_norm, 1e-6)
     y = kernels.matmul(kernels.silu_and_mul(kernels.matmul(y, w_up.t())), w_down.t())
-    t = y.shape[0]
     q = y.view(t, heads, d)
-    slots = torch.arange(t, device="cuda", dtype=torch.int64)
     attention_triton.store_kv(q, q, k_cache, v_cache, slots)
-    out = attention_triton.paged_attention(
-        q, k_cache, v_cache, torch.arange(4, device="cuda", dtype=torch.int32).view(1, 4),
-        torch.tensor([0, t], device="cuda", dtype=torch.int32),
-        torch.tensor([t], device="cuda", dtype=torch.int32), d ** -0.5)
+    out = attention_triton.paged_attention(q, k_cache, v_cache, tables, starts, lens, d ** -0.5)
     return kernels.log_softmax(kernels.matmul(out.view(t, h), w_head.t()))
 
-x = randn(37, h)
+x = randn(t, h)
 eager = chain(x)
 static = x.clone()
 chain(static)
