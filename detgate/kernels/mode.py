@@ -22,6 +22,7 @@ still run in a batch-invariant way or fall through to the normal kernel unchange
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import warnings
 from collections.abc import Iterator
@@ -53,6 +54,12 @@ def _kernels():
     from detgate import kernels
 
     return kernels
+
+
+@functools.cache
+def _row_sum():
+    # Resolved once: import_module costs microseconds on every call of an eager mean.
+    return import_module("detgate.kernels.rmsnorm_triton").row_sum
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
@@ -98,7 +105,7 @@ def _mean_dim(x: torch.Tensor, dim=None, keepdim: bool = False, dtype=None
         # The common case (a norm's mean over the last dim): one launch, the sum and the
         # division of the general path below, bit for bit.
         rows = x.view(-1, x.shape[-1])
-        mean = import_module("detgate.kernels.rmsnorm_triton").row_sum(rows, mean=True)
+        mean = _row_sum()(rows, mean=True)
         return mean.view(*x.shape[:-1], 1) if keepdim else mean.view(x.shape[:-1])
     out_dtype = dtype or x.dtype
     if x.dtype not in _FLOATS or out_dtype not in _FLOATS:
@@ -115,7 +122,7 @@ def _mean_dim(x: torch.Tensor, dim=None, keepdim: bool = False, dtype=None
                           device=x.device)
     if rows.is_cuda:
         # One program per row, one fixed order set by the length (kernels/rmsnorm_triton.py).
-        total = import_module("detgate.kernels.rmsnorm_triton").row_sum(rows)
+        total = _row_sum()(rows)
     else:
         # The sum of each row is a fp32 matmul with ones: one fixed K order per row, whatever
         # the number of rows. Eight columns, not one: a single column takes GEMV paths on CPU

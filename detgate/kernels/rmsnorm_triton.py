@@ -83,33 +83,49 @@ def row_sum(x2: torch.Tensor, mean: bool = False) -> torch.Tensor:
     out = torch.empty((rows,), dtype=x2.dtype if mean else torch.float32, device=x2.device)
     if rows == 0:
         return out
-    scale = float(np.float32(1.0) / np.float32(length)) if mean and length else 1.0
-    block = min(ROW_SUM_BLOCK, triton.next_power_of_2(max(length, 1)))
-    num_warps = 4 if block <= 1024 else 8
-    if x2.is_cuda and x2.stride(0) == length and x2.data_ptr() % 16 == 0:
-        device = x2.get_device()
-        key = (device, x2.dtype, length, block, mean)
-        launcher = _ROW_SUM_LAUNCHERS.get(key, False)
-        if launcher is False:
-            on = pdl.on(x2)
-            try:
-                launcher = Launcher(_row_sum_kernel, (rows,),
-                                    (x2, out, length, length, scale, block, mean, on),
-                                    num_warps=num_warps, launch_pdl=on)
-            except Unsupported:
-                launcher = None
-            _ROW_SUM_LAUNCHERS[key] = launcher
-        if launcher is not None:
-            launcher(rows, 1, 1, raw_stream(device), x2.data_ptr(), out.data_ptr(), length,
-                     length, scale)
-            return out
+    launch = _row_sum_launch(x2, out, mean) if x2.is_cuda else None
+    if launch is not None and x2.stride(0) == length and x2.data_ptr() % 16 == 0:
+        launcher, scale = launch
+        launcher(rows, 1, 1, raw_stream(x2.get_device()), x2.data_ptr(), out.data_ptr(), length,
+                 length, scale)
+        return out
+    block, num_warps, scale = _row_sum_shape(length, mean)
     on = pdl.on(x2)
     _row_sum_kernel[(rows,)](x2, out, length, x2.stride(0), scale, BLOCK=block, MEAN=mean,
                              PDL=on, num_warps=num_warps, launch_pdl=on)
     return out
 
 
-_ROW_SUM_LAUNCHERS: dict[tuple, Launcher | None] = {}
+def _row_sum_shape(length: int, mean: bool) -> tuple[int, int, float]:
+    """(BLOCK, warps, scale) for rows of `length`."""
+    scale = float(np.float32(1.0) / np.float32(length)) if mean and length else 1.0
+    block = min(ROW_SUM_BLOCK, triton.next_power_of_2(max(length, 1)))
+    return block, 4 if block <= 1024 else 8, scale
+
+
+def _row_sum_launch(x2: torch.Tensor, out: torch.Tensor, mean: bool
+                    ) -> tuple[Launcher, float] | None:
+    """The fast path's (Launcher, scale) for x2's device, dtype and row length: found by one
+    dict lookup per call (an eager norm's mean is bound by host work: set_batch_invariant_mode
+    routes every aten mean here). None where the C launcher is unsupported."""
+    key = (x2.get_device(), x2.dtype, x2.shape[1], mean)
+    launch = _ROW_SUM_LAUNCHERS.get(key, False)
+    if launch is False:
+        length = x2.shape[1]
+        block, num_warps, scale = _row_sum_shape(length, mean)
+        on = pdl.on(x2)
+        try:
+            launch = (Launcher(_row_sum_kernel, (1,),
+                               (x2, out, length, length, scale, block, mean, on),
+                               num_warps=num_warps, launch_pdl=on), scale)
+        except Unsupported:
+            launch = None
+        _ROW_SUM_LAUNCHERS[key] = launch
+    return launch
+
+
+# (device, dtype, L, mean) -> (Launcher, scale); the fast path takes rows L apart, aligned.
+_ROW_SUM_LAUNCHERS: dict[tuple, tuple[Launcher, float] | None] = {}
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
