@@ -62,9 +62,19 @@ def _row_sum():
     return import_module("detgate.kernels.rmsnorm_triton").row_sum
 
 
+def _outer(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A product over K = 1 (a rotary embedding's positions x frequencies): each element is
+    one product rounded once, with no sum whose order could depend on the batch, so the
+    broadcast multiply gives the bits any matmul does (a zero-padded dot adds exact zeros)
+    without a launch per batch entry."""
+    return a * b
+
+
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     if a.dtype not in _FLOATS or b.dtype != a.dtype:
         return None
+    if a.shape[1] == 1:
+        return _outer(a, b)
     return _kernels().matmul(a, b)
 
 
@@ -85,6 +95,8 @@ def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta=1, alpha=1
 def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     if a.dtype not in _FLOATS or b.dtype != a.dtype:
         return None
+    if a.shape[2] == 1:
+        return _outer(a, b)
     # One matmul per batch entry: each entry's rows reduce exactly as a lone matmul would.
     return torch.stack([_kernels().matmul(a[i], b[i]) for i in range(a.shape[0])]) \
         if a.shape[0] else a.new_empty((0, a.shape[1], b.shape[2]))

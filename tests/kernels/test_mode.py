@@ -85,6 +85,22 @@ def test_ops_are_routed_to_the_kernels(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_product_over_one_k_is_the_kernels_bits_without_a_launch_per_entry(device, dtype):
+    """K = 1 (a rotary embedding's outer product) is a broadcast multiply in the mode: the
+    same bits as kernels.matmul on each batch entry (one product per element, nothing to
+    order)."""
+    torch.manual_seed(3)
+    x = torch.randn(3, 64, 1, device=device).to(dtype) * 7
+    y = torch.randn(3, 1, 50, device=device).to(dtype) * 1e3
+    with kernels.set_batch_invariant_mode():
+        batched, single = torch.bmm(x, y), x[0] @ y[0]
+    for i in range(3):
+        assert same_bits(batched[i], kernels.matmul(x[i], y[i]))
+    assert same_bits(single, batched[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_mode_is_restored_on_exit_even_after_an_error(device):
     a = torch.randn(3, 512, device=device)
     w = torch.randn(512, 64, device=device)
