@@ -112,8 +112,7 @@ def _load(build: str):
         with _progress(f"compiling the batch-invariant CPU kernels ({build} build; once per "
                        "install or source change)"):
             return cpp_extension.load(
-                name="detgate_cpu_kernels_" + ("_".join(f.lstrip("-") for f in flags)
-                                               or "baseline"),
+                name=_extension_name(flags),
                 sources=[str(SOURCE)],
                 extra_cflags=[*CFLAGS, *flags],
                 extra_ldflags=LDFLAGS,
@@ -121,6 +120,18 @@ def _load(build: str):
             )
     except (RuntimeError, OSError, ImportError) as exc:
         raise BuildError(f"building the CPU kernels ({SOURCE.name}) failed: {exc}") from exc
+
+
+def _extension_name(flags: list[str]) -> str:
+    """One build folder per flag set and per checkout: torch keeps a build under its name, and
+    ninja rebuilds when the source path in it changes, so two checkouts (a clone beside a
+    working tree, an installed copy beside a development one) sharing one name would recompile
+    each other's build at every process start."""
+    import hashlib
+
+    where = hashlib.sha256(str(SOURCE.resolve()).encode()).hexdigest()[:10]
+    isa = "_".join(f.lstrip("-") for f in flags) or "baseline"
+    return f"detgate_cpu_kernels_{isa}_{where}"
 
 
 @contextlib.contextmanager
