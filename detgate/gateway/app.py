@@ -28,6 +28,9 @@ from detgate.gateway.spool import Spool
 from detgate.gateway.store import Store
 from detgate.gateway.upstream import Upstream
 
+# How long a shutdown waits for the cancelled background loops (health, Redis, DNS).
+WATCHERS_STOP_S = 5.0
+
 
 class ObserveRequests:
     """ASGI middleware: request count and duration per endpoint, and the gateway's overhead
@@ -111,7 +114,10 @@ def create_app(settings: Settings | None = None) -> Front:
         finally:
             for task in watchers:
                 task.cancel()
-            await asyncio.gather(*watchers, *svc.background, return_exceptions=True)
+            # Each watcher stops at its next turn even if a library swallowed the cancellation
+            # (interrupts.stopping); the wait is bounded all the same, so that a shutdown ends.
+            await asyncio.wait(watchers, timeout=WATCHERS_STOP_S)
+            await asyncio.gather(*svc.background, return_exceptions=True)
             await upstream.close()
             await recorder.close()
 

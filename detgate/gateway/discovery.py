@@ -23,6 +23,7 @@ import dns.exception
 import dns.nameserver
 import dns.resolver
 
+from detgate.gateway.interrupts import stopping
 from detgate.gateway.metrics import Metrics
 from detgate.gateway.router import Router, worker_name
 
@@ -106,7 +107,7 @@ class Discovery:
 
     async def watch(self) -> None:
         """Background task: resolve every name now, then every `refresh_s`."""
-        while True:
+        while not stopping():
             await self.refresh()
             await asyncio.sleep(self.refresh_s)
 

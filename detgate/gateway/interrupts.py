@@ -21,6 +21,15 @@ EJECTED = "ejected"
 CLIENT_GONE = "client_gone"
 
 
+def stopping() -> bool:
+    """True once the current task has been cancelled, even where a library on the way caught
+    the CancelledError and carried on (the task's cancellation count stays up): a background
+    loop checks it each turn. Seen: the health loop of Redis kept running after the shutdown
+    cancelled it, and the gateway never exited (1 SIGTERM in 8)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 class Interrupts:
     def __init__(self) -> None:
         self._reasons: dict[asyncio.Task, str] = {}

@@ -41,6 +41,7 @@ from redis.exceptions import RedisError
 from detgate.gateway.accounting import REPLAY_LUA, STORED_LUA, WRITE_LUA, Stored
 from detgate.gateway.batching import WriteBatch
 from detgate.gateway.errors import RecorderUnavailable
+from detgate.gateway.interrupts import stopping
 from detgate.gateway.keys import Keys
 from detgate.gateway.spool import Spool, SpoolFull
 from detgate.gateway.store import CLUSTER, NotReplicated, Store
@@ -126,7 +127,7 @@ class Recorder:
 
     async def watch(self, interval_s: float) -> None:
         """Background task: keep `up` true to Redis' state; drain the spool when it is up."""
-        while True:
+        while not stopping():
             busy = not self.up or self.spool.entries
             busy = busy or self.spool.failing is not None
             await asyncio.sleep(min(interval_s, 0.25) if busy else interval_s)

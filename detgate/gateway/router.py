@@ -43,7 +43,7 @@ import orjson
 from detgate.contract.constants import FINGERPRINT_HEADER
 from detgate.gateway.admission import Admission, Fits
 from detgate.gateway.errors import Conflict, NotFound, NoWorker
-from detgate.gateway.interrupts import EJECTED, Interrupts
+from detgate.gateway.interrupts import EJECTED, Interrupts, stopping
 from detgate.gateway.metrics import Metrics
 from detgate.gateway.upstream import TimedOut, Unreachable, Upstream
 from detgate.gateway.worker_limits import ModelLimits
@@ -312,7 +312,7 @@ class Router:
 
     async def watch(self, interval_s: float) -> None:
         """Background task: the active health checks."""
-        while True:
+        while not stopping():
             # Draining workers too: a hung one is ejected, interrupting what it holds.
             watched = self.workers + self.draining
             for w in watched:

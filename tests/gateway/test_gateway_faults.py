@@ -9,6 +9,8 @@ real worker processes (the tiny model), real gateway processes.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -22,6 +24,7 @@ import orjson
 import pytest
 import redis
 
+from detgate.gateway.interrupts import stopping
 from detgate.gateway.keys import Keys
 from tests.gateway.test_gateway_redis_outage import OwnRedis
 
@@ -242,6 +245,34 @@ def test_sigterm_drains_requests_within_the_grace(start_gateway, vllm_worker):
     assert gw.proc.popen.wait(30) in (0, -signal.SIGTERM)
     assert all(o["ok"] for o in outcomes), outcomes
     assert all(_record(gw, o["id"])["status"] == "complete" for o in outcomes)
+
+
+def test_a_background_loop_stops_even_if_a_library_swallows_its_cancellation():
+    """The gateway's background loops (health, Redis, DNS) check `stopping()` each turn: a
+    cancellation caught inside a client library on the way (the task's count stays up) still
+    ends the loop. Before, a Redis health loop kept running past the shutdown and the gateway
+    did not exit (1 SIGTERM in 8)."""
+
+    async def scenario() -> int:
+        turns = 0
+
+        async def swallowing_call() -> None:  # a library that catches the cancellation
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(10)
+
+        async def loop() -> None:
+            nonlocal turns
+            while not stopping():
+                turns += 1
+                await swallowing_call()
+
+        task = asyncio.create_task(loop())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.wait_for(task, 2)
+        return turns
+
+    assert asyncio.run(scenario()) == 1
 
 
 def test_sigterm_past_the_grace_aborts_in_the_error_shape(start_gateway, vllm_worker):
