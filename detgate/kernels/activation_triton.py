@@ -58,8 +58,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         x2 = x2.contiguous()
     out = torch.empty((x2.shape[0], size), dtype=x.dtype, device=x.device)
     if x2.shape[0] and size:
-        on = pdl.on(x2)
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(size, BLOCK))](
-            x2, out, size, x2.stride(0), out.stride(0), BLOCK=BLOCK, PDL=on, num_warps=4,
-            enable_fp_fusion=False, launch_pdl=on)
+            x2, out, size, x2.stride(0), out.stride(0), BLOCK=BLOCK, num_warps=4,
+            enable_fp_fusion=False, **pdl.options(x2))
     return out.view(*x.shape[:-1], size)

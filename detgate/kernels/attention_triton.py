@@ -231,10 +231,9 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     k2 = k.reshape(num_tokens, -1).to(k_cache.dtype)
     v2 = v.reshape(num_tokens, -1).to(v_cache.dtype)
     row = k2.shape[1]
-    on = pdl.on(k2)
     _store_kv_kernel[(num_tokens,)](k2, v2, k_cache, v_cache, slot_mapping, k2.stride(0),
                                     v2.stride(0), k_cache.stride(1), ROW=row,
-                                    ROW_PAD=triton.next_power_of_2(row), PDL=on, launch_pdl=on)
+                                    ROW_PAD=triton.next_power_of_2(row), **pdl.options(k2))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -265,7 +264,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if split_programs is None:
         split_programs = max_splits > 1 and q_blocks * hkv < 2 * _num_sms(q.device.index or 0)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    on = pdl.on(q)
+    launch = pdl.options(q)
     qsl = query_start_loc.to(torch.int32)
     lens = seq_lens.to(torch.int32)
     tables = block_tables.to(torch.int32)
@@ -281,15 +280,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                        k_cache.stride(1), k_cache.stride(2), hq * max_splits, max_splits,
                        scale * _LOG2E, BLOCK_SIZE=block_size, HEAD_DIM=d, GROUP=group,
                        GROUP_PAD=group_pad, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, KV_SPLIT=KV_SPLIT,
-                       SPLIT_PROGRAMS=split_programs, PRECISION=precision, PDL=on,
+                       SPLIT_PROGRAMS=split_programs, PRECISION=precision,
                        num_warps=NUM_WARPS, num_stages=NUM_STAGES, enable_fp_fusion=False,
-                       launch_pdl=on)
+                       **launch)
     if split_programs:
         heads, dims = min(COMBINE_HEADS, hq), min(COMBINE_DIMS, d)
         grid = (num_tokens, triton.cdiv(hq, heads), d // dims)
         _combine_kernel[grid](out, qsl, lens, ws_ml, ws_acc, num_seqs, out.stride(0),
                               out.stride(1), hq * max_splits, max_splits, HQ=hq,
                               HEADS=triton.next_power_of_2(heads), DIMS=dims, HEAD_DIM=d,
-                              KV_SPLIT=KV_SPLIT, PDL=on, num_warps=NUM_WARPS,
-                              enable_fp_fusion=False, launch_pdl=on)
+                              KV_SPLIT=KV_SPLIT, num_warps=NUM_WARPS,
+                              enable_fp_fusion=False, **launch)
     return out

@@ -154,11 +154,11 @@ def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         out, stats = buf[:n_rows * v].view(n_rows, v), buf[size:]
         if not (rows.is_cuda and _launch_fast(rows, stats, out, shape)):
             grid = (n_rows, chunks)
-            on = pdl.on(rows)
+            launch = pdl.options(rows)
             _chunk_stats_kernel[grid](rows, stats, v, rows.stride(0), chunks, CHUNK=chunk,
-                                      BLOCK=block, PDL=on, num_warps=NUM_WARPS, launch_pdl=on)
+                                      BLOCK=block, num_warps=NUM_WARPS, **launch)
             _chunk_write_kernel[grid](rows, stats, out, v, rows.stride(0), out.stride(0), chunks,
-                                      CHUNK=chunk, BLOCK=block, CHUNKS_PAD=chunks_pad, PDL=on,
-                                      num_warps=NUM_WARPS, launch_pdl=on)
+                                      CHUNK=chunk, BLOCK=block, CHUNKS_PAD=chunks_pad,
+                                      num_warps=NUM_WARPS, **launch)
     out = out.view(moved.shape)
     return out if moved is x else out.movedim(-1, dim)

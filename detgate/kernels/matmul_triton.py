@@ -450,7 +450,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         (n * a.element_size()) % 16 == 0
     c = torch.empty((m, n), dtype=a.dtype, device=a.device)
     bias_arg = bias if bias is not None else c
-    on = pdl.on(a)
+    launch = pdl.options(a)
     if use_tma:
         desc = _a_desc(m, cfg) if a_desc is None else a_desc
         b_block = [cfg.block_n, cfg.block_k] if b_is_nk else [cfg.block_k, cfg.block_n]
@@ -464,13 +464,13 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
             a_arg, b_arg, c_arg, bias_arg, m, n, k, a_stride0, num_tiles, grid,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             B_IS_NK=b_is_nk, A_DESC=desc, HAS_BIAS=bias is not None, PRECISION=precision,
-            PDL=on, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=on)
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
     else:
         stride_bk, stride_bn = (bt.stride(1), bt.stride(0)) if b_is_nk else bt.stride()
         grid = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
         _matmul_ptr_kernel[(grid,)](
             a, bt, c, bias_arg, m, n, k, a_stride0, 1, stride_bk, stride_bn, n, 1,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            HAS_BIAS=bias is not None, PRECISION=precision, PDL=on,
-            num_warps=cfg.num_warps, num_stages=min(cfg.num_stages, 4), launch_pdl=on)
+            HAS_BIAS=bias is not None, PRECISION=precision,
+            num_warps=cfg.num_warps, num_stages=min(cfg.num_stages, 4), **launch)
     return c

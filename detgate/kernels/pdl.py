@@ -53,3 +53,9 @@ def on(t: torch.Tensor) -> bool:
     """Whether kernels on t's device launch with PDL (the kernel's `PDL` constexpr and its
     `launch_pdl` option must both be this)."""
     return t.is_cuda and _enabled(t.get_device())
+
+
+def options(t: torch.Tensor) -> dict[str, bool]:
+    """`kernel[grid](..., **pdl.options(t))`: the constexpr and the launch option together."""
+    enabled = on(t)
+    return {"PDL": enabled, "launch_pdl": enabled}

@@ -121,10 +121,9 @@ def norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tenso
     q_w = q_weight if has_norm else cos  # unread without the norm
     k_w = k_weight if has_norm else cos
     blocks = triton.cdiv(num_heads, BLOCK_H) + 2 * triton.cdiv(num_kv_heads, BLOCK_H)
-    on = pdl.on(qkv)
     _qkv_kernel[(t, blocks)](
         qkv, q_out, k_cache, v_cache, positions, slot_mapping, cos, sin, q_w, k_w,
         qkv.stride(0), k_cache.stride(1), cos.stride(0), eps, HQ=num_heads, HKV=num_kv_heads,
-        HALF=head_dim // 2, BLOCK_H=BLOCK_H, HAS_NORM=has_norm, PDL=on, num_warps=NUM_WARPS,
-        enable_fp_fusion=False, launch_pdl=on)
+        HALF=head_dim // 2, BLOCK_H=BLOCK_H, HAS_NORM=has_norm, num_warps=NUM_WARPS,
+        enable_fp_fusion=False, **pdl.options(qkv))
     return q_out

@@ -83,16 +83,16 @@ def row_sum(x2: torch.Tensor, mean: bool = False) -> torch.Tensor:
     out = torch.empty((rows,), dtype=x2.dtype if mean else torch.float32, device=x2.device)
     if rows == 0:
         return out
-    launch = _row_sum_launch(x2, out, mean) if x2.is_cuda else None
-    if launch is not None and x2.stride(0) == length and x2.data_ptr() % 16 == 0:
+    fast = x2.is_cuda and x2.stride(0) == length and x2.data_ptr() % 16 == 0
+    launch = _row_sum_launch(x2, out, mean) if fast else None
+    if launch is not None:
         launcher, scale = launch
         launcher(rows, 1, 1, raw_stream(x2.get_device()), x2.data_ptr(), out.data_ptr(), length,
                  length, scale)
         return out
     block, num_warps, scale = _row_sum_shape(length, mean)
-    on = pdl.on(x2)
     _row_sum_kernel[(rows,)](x2, out, length, x2.stride(0), scale, BLOCK=block, MEAN=mean,
-                             PDL=on, num_warps=num_warps, launch_pdl=on)
+                             num_warps=num_warps, **pdl.options(x2))
     return out
 
 
@@ -193,14 +193,12 @@ def _launch(x2: torch.Tensor, res2: torch.Tensor | None, weight: torch.Tensor, e
     if x2.is_cuda and _launch_fast(x2, res2, weight, eps, out, res_out):
         return out, res_out
     block, num_warps = _config(h)
-    on = pdl.on(x2)
     _rms_norm_kernel[(rows,)](
         x2, res2 if res2 is not None else x2, weight, out,
         res_out if res_out is not None else out, h, x2.stride(0),
         res2.stride(0) if res2 is not None else 0, out.stride(0),
         res_out.stride(0) if res_out is not None else 0, eps,
-        BLOCK=block, HAS_RESIDUAL=res2 is not None, PDL=on, num_warps=num_warps,
-        launch_pdl=on)
+        BLOCK=block, HAS_RESIDUAL=res2 is not None, num_warps=num_warps, **pdl.options(x2))
     return out, res_out
 
 

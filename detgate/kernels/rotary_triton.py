@@ -74,10 +74,9 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
         return q_out, k_out
     block_h = min(triton.next_power_of_2(max(hq, hkv)), 16)
     grid = (t, triton.cdiv(hq, block_h) + triton.cdiv(hkv, block_h))
-    on = pdl.on(q)
     _rotary_kernel[grid](q, k, q_out, k_out, cos, sin, positions, q.stride(0), q.stride(1),
                          k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1),
                          k_out.stride(0), k_out.stride(1), cos.stride(0), HQ=hq, HKV=hkv,
-                         HALF=dim // 2, BLOCK_H=block_h, PDL=on, num_warps=4,
-                         enable_fp_fusion=False, launch_pdl=on)
+                         HALF=dim // 2, BLOCK_H=block_h, num_warps=4,
+                         enable_fp_fusion=False, **pdl.options(q))
     return q_out, k_out
