@@ -13,6 +13,9 @@ and "split" (one program per query block, KV head and split writes its partial r
 same tile shapes, warps and helpers, and floating-point contraction is off (no mul+add fused
 into an FMA in one kernel but not the other), so a query's bits do not depend on which launch
 ran it, nor on its row inside the query block, nor on the other queries and sequences.
+A decode-only call (`decode=True`: at most one query per sequence) maps program i to sequence i
+instead of searching query_start_loc for it, and may pipeline with DECODE_STAGES: which program
+runs a query and when its loads are issued, the same helpers and the same order of arithmetic.
 
 Rows of a program are (query, head of the GQA group) pairs: row r = query r // GROUP_PAD of the
 block, q head kv_head * GROUP + r % GROUP_PAD. Keys are read by position through the block
@@ -33,6 +36,9 @@ from detgate.kernels.attention_tiles import SHIPPED
 # BLOCK_M: rows (query x group head) per program; BLOCK_N: KV positions per tile.
 BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = SHIPPED
 KV_SPLIT = 1024  # KV positions per split: a multiple of BLOCK_N
+# Software-pipeline depth of decode-only launches (a few tiles per program at short contexts:
+# more programs per SM, less prologue), measured on H200 (bench/results/README-gpu.md).
+DECODE_STAGES = NUM_STAGES
 COMBINE_HEADS = 2  # heads x head-dim slice per combine program: spread the merge loops wide
 COMBINE_DIMS = 64
 _LOG2E = 1.4426950408889634
@@ -132,15 +138,21 @@ def _attn_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, qsl_ptr, 
                  qk_scale, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, KV_SPLIT: tl.constexpr, SPLIT_PROGRAMS: tl.constexpr,
-                 PRECISION: tl.constexpr, PDL: tl.constexpr):
+                 DECODE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     pdl.enter(PDL)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
-    seq = _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q, True)
-    q_begin = tl.load(qsl_ptr + seq)
-    q_len = tl.load(qsl_ptr + seq + 1) - q_begin
-    q_first = (pid - (q_begin // BLOCK_Q + seq)) * BLOCK_Q  # this block's first query
+    if DECODE:  # program i: sequence i's query (if it has one) in rows 0..GROUP-1, as below
+        seq = pid
+        q_begin = tl.load(qsl_ptr + seq)
+        q_len = tl.load(qsl_ptr + seq + 1) - q_begin
+        q_first = 0
+    else:
+        seq = _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q, True)
+        q_begin = tl.load(qsl_ptr + seq)
+        q_len = tl.load(qsl_ptr + seq + 1) - q_begin
+        q_first = (pid - (q_begin // BLOCK_Q + seq)) * BLOCK_Q  # this block's first query
     if q_first >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -238,11 +250,13 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                    seq_lens: torch.Tensor, scale: float,
+                    seq_lens: torch.Tensor, scale: float, decode: bool = False,
                     split_programs: bool | None = None) -> torch.Tensor:
     """Causal GQA attention of q [T, Hq, D] over the paged cache -> [T, Hq, D] in q's dtype.
 
-    `split_programs` picks the launch shape (None: by occupancy); the bits are the same."""
+    `decode`: the caller knows that no sequence has more than one query (a decode step); a
+    sequence with more would be computed wrongly. `split_programs` picks the launch shape
+    (None: by occupancy). Neither changes any bit of the result."""
     if q.dtype not in _SUPPORTED or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise TypeError(f"paged_attention: q and caches in one of {_SUPPORTED}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -259,7 +273,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0:
         return out
-    q_blocks = num_tokens // (BLOCK_M // group_pad) + num_seqs
+    if decode and num_tokens > num_seqs:
+        raise ValueError(f"paged_attention: decode with {num_tokens} queries for {num_seqs} "
+                         "sequences")
+    q_blocks = num_seqs if decode else num_tokens // (BLOCK_M // group_pad) + num_seqs
     max_splits = triton.cdiv(block_tables.shape[1] * block_size, KV_SPLIT)
     if split_programs is None:
         split_programs = max_splits > 1 and q_blocks * hkv < 2 * _num_sms(q.device.index or 0)
@@ -280,9 +297,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                        k_cache.stride(1), k_cache.stride(2), hq * max_splits, max_splits,
                        scale * _LOG2E, BLOCK_SIZE=block_size, HEAD_DIM=d, GROUP=group,
                        GROUP_PAD=group_pad, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, KV_SPLIT=KV_SPLIT,
-                       SPLIT_PROGRAMS=split_programs, PRECISION=precision,
-                       num_warps=NUM_WARPS, num_stages=NUM_STAGES, enable_fp_fusion=False,
-                       **launch)
+                       SPLIT_PROGRAMS=split_programs, DECODE=decode, PRECISION=precision,
+                       num_warps=NUM_WARPS, num_stages=DECODE_STAGES if decode else NUM_STAGES,
+                       enable_fp_fusion=False, **launch)
     if split_programs:
         heads, dims = min(COMBINE_HEADS, hq), min(COMBINE_DIMS, d)
         grid = (num_tokens, triton.cdiv(hq, heads), d // dims)

@@ -48,6 +48,10 @@ def _impl(split_programs: bool | None) -> Impl:
 
 
 FUSED, SPLIT = _impl(False), _impl(True)
+DECODE_FUSED = Impl(store_kv=at.store_kv, paged_attention=functools.partial(
+    at.paged_attention, decode=True, split_programs=False))
+DECODE_SPLIT = Impl(store_kv=at.store_kv, paged_attention=functools.partial(
+    at.paged_attention, decode=True, split_programs=True))
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -133,3 +137,29 @@ def test_store_kv_skips_negative_slots():
     flat_k, flat_v = world.k_cache.flatten(0, 1), world.v_cache.flatten(0, 1)
     assert same_bits(flat_k[5], k[0]) and same_bits(flat_k[7], k[2])
     assert same_bits(flat_v[7], -k[2]) and flat_k[6].isnan().all()
+
+
+@pytest.mark.parametrize("impl", [DECODE_FUSED, DECODE_SPLIT], ids=["fused", "split"])
+def test_decode_launch_equals_the_general_launch(impl, monkeypatch):
+    """Program i = sequence i (no search), other pipelining: the same bits as the general
+    launch, for every sequence whatever its length or the batch around it."""
+    monkeypatch.setattr(at, "DECODE_STAGES", 1)
+    lens = [45, 3, 70, 17, 1, 64]
+    world = make_world(lens, 4, 2, 16, 16, torch.float32, DEVICE, seed=6)
+    prefill(world, list(range(len(lens))), impl=FUSED)
+    decodes = [(i, n - 1, n) for i, n in enumerate(lens)]
+    general = step(world, decodes, FUSED)
+    fast = step(world, decodes, impl)
+    for i in range(len(lens)):
+        assert same_bits(fast[i], general[i]), i
+    assert same_bits(step(world, decodes[2:3], impl)[0], general[2])
+
+
+def test_decode_launch_refuses_more_queries_than_sequences():
+    world = make_world([20], 4, 2, 16, 16, torch.float32, DEVICE)
+    q = torch.randn(2, 4, 16, device=DEVICE)
+    qsl = torch.tensor([0, 2], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([20], dtype=torch.int32, device=DEVICE)
+    tables = torch.arange(2, dtype=torch.int32, device=DEVICE)[None]
+    with pytest.raises(ValueError, match="decode"):
+        at.paged_attention(q, world.k_cache, world.v_cache, tables, qsl, lens, 0.25, decode=True)

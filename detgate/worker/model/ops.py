@@ -165,7 +165,7 @@ def _paged(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
     in the prefix cache."""
     k_cache, v_cache = kv_cache
     return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                           meta.seq_lens, scale)
+                           meta.seq_lens, scale, decode=meta.max_query_len == 1)
 
 
 def _store_kv(

@@ -1,0 +1,139 @@
+"""A/B of the decode step's GPU time between kernel options, in one process (CUDA).
+
+    PYTHONPATH=. python -m detgate.bench.decode_ab --out OUT_DIR [--rounds 3]
+
+One batch_invariant engine on the random-weight model; per variant and batch size, the decode
+step (every layer, lm_head and log_softmax, every sequence `--context` tokens long on blocks of
+its own) is captured into a CUDA graph of its own and replayed; variants take turns within a
+round, rounds repeat in rotated order, so drift of the machine falls on every variant alike.
+Variants switch module settings that only decide where and when work runs, never the
+arithmetic: the matmul's weight prefetch (`matmul_triton.PREFETCH_L2_BYTES`, 0 = off), the
+decode launch of the attention (`decode`) and its pipeline depth (`DECODE_STAGES`).
+Writes OUT_DIR/decode-ab.json (median ms per variant and batch, every round's figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from detgate.bench.report import environment
+from detgate.kernels import attention_triton, matmul_triton
+from detgate.worker.engine.config import EngineConfig
+from detgate.worker.engine.engine import Engine
+from detgate.worker.model.attention_metadata import AttentionMetadata
+from detgate.worker.tools.random_model import load_random
+
+# name -> (prefetch bytes, decode launch, decode stages)
+VARIANTS = {
+    "base": (0, False, 3),
+    "prefetch": (24 << 20, False, 3),
+    "prefetch+decode_s3": (24 << 20, True, 3),
+    "prefetch+decode_s2": (24 << 20, True, 2),
+    "prefetch+decode_s4": (24 << 20, True, 4),
+    "prefetch48+decode_s3": (48 << 20, True, 3),
+}
+BATCHES = (1, 8, 64, 128, 256)
+
+
+def apply(variant: tuple[int, bool, int]) -> bool:
+    prefetch, decode, stages = variant
+    matmul_triton.PREFETCH_L2_BYTES = prefetch
+    matmul_triton.clear_caches()  # plans keep their prefetch size: make new ones
+    attention_triton.DECODE_STAGES = stages
+    return decode
+
+
+def step_inputs(runner, batch: int, context: int, decode: bool):
+    dev, bs = runner.device, runner.block_size
+    nb = context // bs
+    tables = torch.arange(batch * nb, dtype=torch.int32, device=dev).view(batch, nb)
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=dev),
+        seq_lens=torch.full((batch,), context, dtype=torch.int32, device=dev),
+        block_tables=tables,
+        slot_mapping=torch.full((batch,), runner.num_kv_blocks * bs, device=dev),
+        # max_query_len is what selects the decode launch (ops._paged); 2 keeps the general one
+        max_query_len=1 if decode else 2, max_seq_len=context)
+    ids = torch.randint(100, 1000, (batch,), device=dev)
+    pos = torch.full((batch,), context - 1, dtype=torch.int64, device=dev)
+    return ids, pos, meta
+
+
+@torch.inference_mode()
+def time_variant(runner, batch: int, context: int, decode: bool, reps: int) -> float:
+    ids, pos, meta = step_inputs(runner, batch, context, decode)
+
+    def step():
+        hidden = runner.model(ids, pos, meta, runner.kv_caches)
+        return runner.sampler.log_softmax(runner.model.compute_logits(hidden))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    del graph
+    return start.elapsed_time(end) / reps
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--model", default="qwen3-8b-shape")
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = args.variants.split(",")
+    loaded = load_random(args.model, out / f"{args.model}-config", seed=0, device="cuda",
+                         mode="batch_invariant")
+    engine = Engine(EngineConfig(model=args.model, mode="batch_invariant", device="cuda",
+                                 dtype="bfloat16", max_num_seqs=256, max_num_batched_tokens=8192,
+                                 kv_cache_mb=16 * 1024), loaded.model, loaded.config)
+    runner = engine.runner
+    runs: dict[str, dict[int, list[float]]] = {n: {b: [] for b in BATCHES} for n in names}
+    start = time.time()
+    for r in range(args.rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            decode = apply(VARIANTS[name])
+            for b in BATCHES:
+                runs[name][b].append(time_variant(runner, b, args.context, decode, args.reps))
+            print(f"round {r} {name:22s}",
+                  " ".join(f"{b}:{runs[name][b][-1]:.3f}" for b in BATCHES), flush=True)
+    median = {n: {b: statistics.median(v) for b, v in runs[n].items()} for n in names}
+    print("\nmedian ms", " ".join(f"B={b:<6}" for b in BATCHES))
+    for n in names:
+        print(f"{n:22s}", " ".join(f"{median[n][b]:8.3f}" for b in BATCHES))
+    result = {"environment": environment("cuda"), "args": vars(args),
+              "variants": {n: VARIANTS[n] for n in names}, "median_ms": median, "runs": runs,
+              "timing": "CUDA graph of one decode step (layers, lm_head, log_softmax) per "
+                        "variant and batch, replayed reps times between CUDA events",
+              "seconds": round(time.time() - start, 1)}
+    (out / "decode-ab.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
