@@ -1,4 +1,4 @@
-"""A/B of the decode step's GPU time between kernel options, in one process (CUDA).
+"""A/B of the decode step's GPU time between the attention's two launches, in one process (CUDA).
 
     PYTHONPATH=. python -m detgate.bench.decode_ab --out OUT_DIR [--rounds 3]
 
@@ -6,10 +6,9 @@ One batch_invariant engine on the random-weight model; per variant and batch siz
 step (every layer, lm_head and log_softmax, every sequence `--context` tokens long on blocks of
 its own) is captured into a CUDA graph of its own and replayed; variants take turns within a
 round, rounds repeat in rotated order, so drift of the machine falls on every variant alike.
-Variants switch module settings that only decide where and when work runs, never the
-arithmetic: the matmul's weight prefetch (`matmul_triton.PREFETCH_L2_BYTES`, 0 = off), the
-decode launch of the attention (`decode`) and its pipeline depth (`DECODE_STAGES`).
-Writes OUT_DIR/decode-ab.json (median ms per variant and batch, every round's figures).
+Variants: the general launch of the paged attention (`general`) and the decode launch
+(`decode`, program i = sequence i), picked through the step's max_query_len as the engine
+picks it. Writes OUT_DIR/decode-ab.json (median ms per variant and batch, every round's).
 """
 
 from __future__ import annotations
@@ -23,30 +22,14 @@ from pathlib import Path
 import torch
 
 from detgate.bench.report import environment
-from detgate.kernels import attention_triton, matmul_triton
 from detgate.worker.engine.config import EngineConfig
 from detgate.worker.engine.engine import Engine
 from detgate.worker.model.attention_metadata import AttentionMetadata
 from detgate.worker.tools.random_model import load_random
 
-# name -> (prefetch bytes, decode launch, decode stages)
-VARIANTS = {
-    "base": (0, False, 3),
-    "prefetch": (24 << 20, False, 3),
-    "prefetch+decode_s3": (24 << 20, True, 3),
-    "prefetch+decode_s2": (24 << 20, True, 2),
-    "prefetch+decode_s4": (24 << 20, True, 4),
-    "prefetch48+decode_s3": (48 << 20, True, 3),
-}
+# name -> whether the step's attention takes the decode launch
+VARIANTS = {"general": False, "decode": True}
 BATCHES = (1, 8, 64, 128, 256)
-
-
-def apply(variant: tuple[int, bool, int]) -> bool:
-    prefetch, decode, stages = variant
-    matmul_triton.PREFETCH_L2_BYTES = prefetch
-    matmul_triton.clear_caches()  # plans keep their prefetch size: make new ones
-    attention_triton.DECODE_STAGES = stages
-    return decode
 
 
 def step_inputs(runner, batch: int, context: int, decode: bool):
@@ -117,7 +100,7 @@ def main() -> int:
     for r in range(args.rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
-            decode = apply(VARIANTS[name])
+            decode = VARIANTS[name]
             for b in BATCHES:
                 runs[name][b].append(time_variant(runner, b, args.context, decode, args.reps))
             print(f"round {r} {name:22s}",

@@ -48,7 +48,10 @@ from detgate.worker.tools.random_model import load_random
 
 T0 = time.time()
 PHASES = ("kernel_check", "build", "warmup", "decode_step", "determinism", "score", "cost",
-          "cost_async", "cost_mixed_eager", "cost_eager")
+          "cost_async", "cost_mixed_eager", "cost_eager", "cost_trace")
+# cost_trace's step classes: decode-only steps by sequences, mixed steps by tokens (upper bounds)
+DECODE_CLASSES = (64, 128, 192, 224, 240, 256)
+MIXED_CLASSES = (512, 1024, 1536, 2048, 4096, 8192)
 
 
 def log(*parts) -> None:
@@ -81,8 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-reference", action="store_true", help="(the default; kept for old "
                    "command lines)")
     p.add_argument("--deadline", type=float, default=400.0, help="seconds; later phases skip")
-    p.add_argument("--phases", default=",".join(PHASES),
-                   help="comma-separated subset of: " + ", ".join(PHASES))
+    p.add_argument("--phases", default=",".join(p for p in PHASES if p != "cost_trace"),
+                   help="comma-separated subset of: " + ", ".join(PHASES)
+                   + " (all but cost_trace by default)")
     p.add_argument("--capture-width", type=int, default=1024,
                    help="warm-up captures decode graphs up to this context width")
     p.add_argument("--mixed-capture-width", type=int, default=256,
@@ -279,6 +283,36 @@ class Experiment:
         return {"requests": len(reqs), "output_tokens": sum(r.params.max_tokens for r in reqs),
                 "passes": passes, "ratio_mean": statistics.mean(ratios)}
 
+    def cost_trace(self) -> dict:
+        """Where the cost workload's time goes, per mode: each step waits for the one before
+        (no asynchronous scheduling, so a step's seconds are its own), steps classed by kind
+        and size (decode-only by sequences, mixed by tokens), seconds per class."""
+        reqs = self.cost_requests()
+        info: dict = {}
+        with self.async_scheduling(False):
+            for mode in MODES:
+                trace: list[tuple[int, int, float]] = []
+                _, stats = wl.run(self.engines[mode], reqs, arrival_seed=None, trace=trace)
+                classes: dict[str, list[float]] = {}
+                for tokens, seqs, seconds in trace:
+                    if tokens == seqs:
+                        bound = next((c for c in DECODE_CLASSES if seqs <= c), DECODE_CLASSES[-1])
+                        name = f"decode<={bound}"
+                    else:
+                        bound = next((c for c in MIXED_CLASSES if tokens <= c), MIXED_CLASSES[-1])
+                        name = f"mixed<={bound}"
+                    classes.setdefault(name, []).append(seconds)
+                info[mode] = {"seconds": stats.seconds,
+                              "classes": {k: {"steps": len(v), "seconds": round(sum(v), 4),
+                                              "ms_per_step": round(1e3 * statistics.mean(v), 3)}
+                                          for k, v in sorted(classes.items())}}
+                log(mode, info[mode])
+        info["seconds_difference"] = {
+            k: round(v["seconds"] - info["default"]["classes"].get(k, {}).get("seconds", 0.0), 4)
+            for k, v in info["batch_invariant"]["classes"].items()}
+        log("batch_invariant - default, seconds per class:", info["seconds_difference"])
+        return info
+
     def cost_eager(self) -> dict:
         """The cost workload again with every step eager: what the CUDA graphs buy."""
         return self._cost_without(decode=True)
@@ -359,6 +393,7 @@ class Experiment:
         if self.args.device == "cuda" and not self.args.enforce_eager:
             self.phase("cost_mixed_eager", self.cost_mixed_eager)
             self.phase("cost_eager", self.cost_eager)
+        self.phase("cost_trace", self.cost_trace)
         self.result["total_seconds"] = round(time.time() - T0, 1)
         self.save()
 

@@ -14,8 +14,8 @@ same tile shapes, warps and helpers, and floating-point contraction is off (no m
 into an FMA in one kernel but not the other), so a query's bits do not depend on which launch
 ran it, nor on its row inside the query block, nor on the other queries and sequences.
 A decode-only call (`decode=True`: at most one query per sequence) maps program i to sequence i
-instead of searching query_start_loc for it, and may pipeline with DECODE_STAGES: which program
-runs a query and when its loads are issued, the same helpers and the same order of arithmetic.
+instead of searching query_start_loc for it: which program runs a query, nothing else; its row
+sits where the general launch puts a sequence's first query (rows 0..GROUP-1).
 
 Rows of a program are (query, head of the GQA group) pairs: row r = query r // GROUP_PAD of the
 block, q head kv_head * GROUP + r % GROUP_PAD. Keys are read by position through the block
@@ -36,9 +36,6 @@ from detgate.kernels.attention_tiles import SHIPPED
 # BLOCK_M: rows (query x group head) per program; BLOCK_N: KV positions per tile.
 BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = SHIPPED
 KV_SPLIT = 1024  # KV positions per split: a multiple of BLOCK_N
-# Software-pipeline depth of decode-only launches (a few tiles per program at short contexts:
-# more programs per SM, less prologue), measured on H200 (bench/results/README-gpu.md).
-DECODE_STAGES = NUM_STAGES
 COMBINE_HEADS = 2  # heads x head-dim slice per combine program: spread the merge loops wide
 COMBINE_DIMS = 64
 _LOG2E = 1.4426950408889634
@@ -298,8 +295,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                        scale * _LOG2E, BLOCK_SIZE=block_size, HEAD_DIM=d, GROUP=group,
                        GROUP_PAD=group_pad, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, KV_SPLIT=KV_SPLIT,
                        SPLIT_PROGRAMS=split_programs, DECODE=decode, PRECISION=precision,
-                       num_warps=NUM_WARPS, num_stages=DECODE_STAGES if decode else NUM_STAGES,
-                       enable_fp_fusion=False, **launch)
+                       num_warps=NUM_WARPS, num_stages=NUM_STAGES, enable_fp_fusion=False,
+                       **launch)
     if split_programs:
         heads, dims = min(COMBINE_HEADS, hq), min(COMBINE_DIMS, d)
         grid = (num_tokens, triton.cdiv(hq, heads), d // dims)

@@ -21,7 +21,6 @@ compiled kernel are kept per weight, so a call costs one allocation and one C la
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -70,12 +69,6 @@ CONFIG_FP32 = TileConfig(64, 64, 4, 3, block_k=32)
 CONFIG_INTERPRETER = TileConfig(16, 32, 4, 1, block_k=32)
 # Row tiles from which A and C go through TMA descriptors (see `_a_desc`).
 DESC_MIN_TILES = 1
-# Weight bytes all programs of one launch ask L2 for before waiting for their predecessor
-# (`_matmul_tma_kernel`, PREFETCH): a part of L2 (50-60 MB on Hopper), so that the prefetched
-# rows are still there when the loop reaches them; only up to PREFETCH_MAX_M rows of A, where a
-# matmul streams its weights (decode), not where it reuses them from L2 anyway.
-PREFETCH_L2_BYTES = 24 << 20
-PREFETCH_MAX_M = 256
 
 # Fastest config per M bucket, measured on H200 (`python -m detgate.bench.kernels_proof --tune`,
 # Qwen3-8B projections, bench/results/kernels-h200-*.json): (N, K) -> ((M upper bound, config
@@ -166,34 +159,12 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit
-def _prefetch_weight_rows(w_ptr, stride_wn, first_row, N, row_bytes, BLOCK_N: tl.constexpr):
-    """Ask L2 for the first `row_bytes` of weight rows first_row .. + BLOCK_N (one bulk
-    prefetch per row, sm_90). A cache hint: it reads nothing into registers and changes no
-    value anywhere, only where the later loads find their bytes."""
-    rows = tl.minimum(first_row + tl.arange(0, BLOCK_N), N - 1)  # past N: the last row again
-    addr = (w_ptr + rows.to(tl.int64) * stride_wn).to(tl.int64)
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
-                              "=r,l,r", [addr, row_bytes + tl.zeros([BLOCK_N], tl.int32)],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit(do_not_specialize=["M", "num_tiles", "grid_size", "prefetch_bytes"])
+@triton.jit(do_not_specialize=["M", "num_tiles", "grid_size"])
 def _matmul_tma_kernel(a_desc, b_desc, c_desc, bias_ptr, M, N, K, stride_am, num_tiles,
-                       grid_size, w_ptr, stride_wn, prefetch_bytes, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                       B_IS_NK: tl.constexpr, A_DESC: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       PRECISION: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
-    if PREFETCH:  # noqa: SIM102 (compile time; the test below is a runtime one)
-        # The weights are not the predecessor's output: while this program waits for A's
-        # producer (below), L2 can already fetch the start of its first tile's weight rows
-        # (w_ptr: B as [N, K] rows, the descriptor's memory). Memory-bound decode matmuls then
-        # overlap their weight stream with the short kernels before them (PREFETCH_L2_BYTES).
-        if prefetch_bytes > 0:
-            _, pid_n0 = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N),
-                                     GROUP_M)
-            _prefetch_weight_rows(w_ptr, stride_wn, pid_n0 * BLOCK_N, N, prefetch_bytes,
-                                  BLOCK_N)
+                       grid_size, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, B_IS_NK: tl.constexpr,
+                       A_DESC: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+                       PDL: tl.constexpr):
     pdl.enter(PDL)  # launched early, waits for A's producer (kernels/pdl.py)
     # A_DESC: A and C are TMA descriptors; otherwise plain pointers (A rows stride_am apart,
     # C rows N apart), read and written with row masks. B is always a descriptor.
@@ -279,21 +250,6 @@ def clear_caches() -> None:
     _WEIGHTS.clear()
 
 
-def _prefetch_on(t: torch.Tensor) -> bool:
-    """Weight prefetch before the wait: only worth anything where the kernel starts early
-    (PDL), and only on sm_90+ (the bulk prefetch); DETGATE_PREFETCH=0 turns it off."""
-    return pdl.on(t) and os.environ.get("DETGATE_PREFETCH", "1") != "0"
-
-
-def prefetch_bytes(m: int, k: int, element_size: int, programs: int, block_n: int) -> int:
-    """Bytes of each weight row a program prefetches: its share of PREFETCH_L2_BYTES, at most
-    the row, a multiple of 16 (the bulk prefetch's unit); 0 above PREFETCH_MAX_M rows."""
-    if m > PREFETCH_MAX_M:
-        return 0
-    share = PREFETCH_L2_BYTES // max(programs * block_n, 1)
-    return min(k * element_size, share) // 16 * 16
-
-
 def _tma_ok(t: torch.Tensor, strides: tuple[int, ...]) -> bool:
     size = t.element_size()
     return t.data_ptr() % 16 == 0 and all((s * size) % 16 == 0 for s in strides)
@@ -331,15 +287,12 @@ class _Launch:
         a_arg = TensorDescriptor(a, [m, k], [k, 1], [cfg.block_m, cfg.block_k]) if a_desc else a
         c_arg = TensorDescriptor(c, [m, n], [n, 1], [cfg.block_m, cfg.block_n]) if a_desc else c
         on = pdl.on(a)
-        self.prefetch = b_is_nk and _prefetch_on(a)
         self.launcher = Launcher(
             _matmul_tma_kernel, (1,),
             (a_arg, b_desc, c_arg, bias if bias is not None else c, m, n, k, k, 1, 1,
-             bt, bt.stride(0), 0, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, b_is_nk,
-             a_desc, bias is not None, "ieee" if a.dtype == torch.float32 else "tf32",
-             self.prefetch, on),
+             cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, b_is_nk, a_desc,
+             bias is not None, "ieee" if a.dtype == torch.float32 else "tf32", on),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=on)
-        self.weight_args = (bt.data_ptr(), bt.stride(0))
         self.b_args = tuple(self.launcher.descriptor_arg(1 if a_desc else 0, b_desc))
         self.encode_a = self.launcher.encoder(0) if a_desc else None
         self.encode_c = self.launcher.encoder(2) if a_desc else None
@@ -386,7 +339,7 @@ class _Weight:
         if launch is None:
             launch = _Launch(a, bt, self.b_is_nk, bias, cfg, key[1], self.info)
             self.by_config[key] = launch
-        plan = self.by_m[m] = _Plan(launch, m, self.n, self.k, bt.element_size())
+        plan = self.by_m[m] = _Plan(launch, m, self.n, self.k)
         return plan
 
 
@@ -396,14 +349,11 @@ class _Plan:
 
     __slots__ = ("launch", "grid", "tail")
 
-    def __init__(self, launch: _Launch, m: int, n: int, k: int, element_size: int):
+    def __init__(self, launch: _Launch, m: int, n: int, k: int):
         num_tiles = triton.cdiv(m, launch.block_m) * launch.n_tiles
         self.launch = launch
         self.grid = min(num_tiles, launch.max_programs)
-        prefetch = prefetch_bytes(m, k, element_size, self.grid, launch.block_n) \
-            if launch.prefetch else 0
-        # M, N, K, stride_am, tiles, grid, the weight's rows, the bytes of each to prefetch
-        self.tail = (m, n, k, k, num_tiles, self.grid, *launch.weight_args, prefetch)
+        self.tail = (m, n, k, k, num_tiles, self.grid)  # M, N, K, stride_am, tiles, grid
 
 
 # (weight data_ptr, shape, strides, dtype, bias data_ptr) -> _Weight, or None where the fast
@@ -510,13 +460,11 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         c_arg = TensorDescriptor(c, [m, n], [n, 1], [cfg.block_m, cfg.block_n]) if desc else c
         num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
         grid = min(num_tiles, info.num_sms * cfg.ctas_per_sm)
-        prefetch = b_is_nk and _prefetch_on(a)
         _matmul_tma_kernel[(grid,)](
-            a_arg, b_arg, c_arg, bias_arg, m, n, k, a_stride0, num_tiles, grid, bt, bt.stride(0),
-            prefetch_bytes(m, k, a.element_size(), grid, cfg.block_n) if prefetch else 0,
+            a_arg, b_arg, c_arg, bias_arg, m, n, k, a_stride0, num_tiles, grid,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             B_IS_NK=b_is_nk, A_DESC=desc, HAS_BIAS=bias is not None, PRECISION=precision,
-            PREFETCH=prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
     else:
         stride_bk, stride_bn = (bt.stride(1), bt.stride(0)) if b_is_nk else bt.stride()
         grid = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)

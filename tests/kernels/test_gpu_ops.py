@@ -142,23 +142,3 @@ def test_log_softmax_rows_do_not_depend_on_batch():
     full_b = ls.log_softmax(xb).view(torch.int32)
     for m in (1, 3, 64, 256):
         assert same_bits(ls.log_softmax(xb[:m]).view(torch.int32), full_b[:m])
-
-
-@pytest.mark.parametrize("n,k", SHAPES)
-def test_weight_prefetch_changes_no_bit(mm, monkeypatch, n, k):
-    """The L2 prefetch of weight rows before the PDL wait, on (with the plans saying so) and
-    off: the same bits at every M, fast and JIT launch."""
-    a, w = _weights(n, k)
-    ms = [1, 7, 64, 128, 255, 256, 257, 1000]
-    mm.clear_caches()
-    on = {m: mm.matmul(a[:m], w.t()) for m in ms}
-    plans = mm._WEIGHTS[next(iter(mm._WEIGHTS))].by_m
-    if mm.pdl.on(a):
-        assert all(plans[m].tail[-1] > 0 for m in ms if m <= mm.PREFETCH_MAX_M)
-    monkeypatch.setattr(mm, "PREFETCH_L2_BYTES", 0)
-    mm.clear_caches()
-    for m in ms:
-        assert same_bits(mm.matmul(a[:m], w.t()), on[m]), m
-        cfg = mm.pick_config(m, n, k, torch.bfloat16, mm.device_info(0))
-        assert same_bits(mm.matmul(a[:m], w.t(), config=cfg), on[m]), m
-    mm.clear_caches()

@@ -83,10 +83,12 @@ def cost_workload(*, requests: int, prompt: tuple[int, int], output: tuple[int, 
                     greedy(rng.randint(*output))) for i in range(requests)]
 
 
-def run(engine: Engine, reqs: list[Request], arrival_seed: int | None
+def run(engine: Engine, reqs: list[Request], arrival_seed: int | None,
+        trace: list[tuple[int, int, float]] | None = None
         ) -> tuple[dict[str, Completion], RunStats]:
     """Run every request to completion. arrival_seed None: all join at once; else a seeded
-    number (ARRIVALS) joins before each step."""
+    number (ARRIVALS) joins before each step. `trace` gets (tokens, sequences, seconds) per
+    step."""
     rng = random.Random(arrival_seed)
     queue = collections.deque(reqs)
     out = {r.request_id: Completion() for r in reqs}
@@ -102,6 +104,8 @@ def run(engine: Engine, reqs: list[Request], arrival_seed: int | None
             engine.add(r.request_id, r.token_ids, r.params)
         outputs, stats = engine.step()
         steps += 1
+        if trace is not None:
+            trace.append((stats.num_tokens, stats.num_seqs, stats.seconds))
         if stats.num_tokens == stats.num_seqs:
             decode_only += 1
             decode_seconds += stats.seconds
