@@ -2,6 +2,8 @@
 
 Run from the repository root on a CUDA machine:
     python -m detgate.bench.kernels_proof OUT_DIR [--tune] [--skip-tests]
+    python -m detgate.bench.kernels_proof OUT_DIR --tune-only --tune-m 384,512,640 \
+        [--tune-shapes o_proj,down_proj]
 Writes OUT_DIR/gpu_kernels.json (everything), OUT_DIR/kernels-bench.json (the `detgate bench
 kernels` result), OUT_DIR/pytest.log.
 
@@ -11,7 +13,9 @@ Phases:
    projection shape at several M, so the shape-dependent choice cannot change a result;
 3. with --tune: time every candidate config on every (shape, M) and use the fastest per M
    bucket as kernels.matmul_triton.TUNED_16BIT for the rest of the run (printed, to be
-   committed);
+   committed); a config replaces the one in force only when it is STICKY faster, and Ms in a
+   row with the same choice make one bucket. --tune-m / --tune-shapes pick the (shape, M)
+   grid (the mixed steps' token buckets, say), --tune-only stops after it;
 4. the benchmark (`detgate.bench.kernels_gpu.run_all`);
 5. invariance sweeps with the dispatch in force: M = 1..8192 on every projection (lm_head:
    1..1024, then every 7th M), fp16/fp32 spot sweeps, rms_norm / log_softmax rows, and the
@@ -108,14 +112,22 @@ def cross_config_bits() -> dict:
     return report
 
 
-def explore() -> dict:
+# A candidate must beat the config in force by this factor to replace it: timing noise must not
+# churn the table.
+STICKY = 0.98
+
+
+def explore(shapes: list[str] | None = None, m_values: tuple[int, ...] = bench.M_VALUES
+            ) -> dict:
     """Time every candidate config on every (shape, M); returns the per-shape tuned table."""
     info = mm.device_info(torch.cuda.current_device())
     timings, table = {}, {}
     for name, (n, k) in bench.MATMUL_SHAPES.items():
+        if shapes and name not in shapes:
+            continue
         weights = bench.matmul_weights(n, k)
         entries = []
-        for m in bench.M_VALUES:
+        for m in m_values:
             a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             inputs = [(a, w.t()) for w in weights]
             row = {"torch": graph_ms(lambda i, inp=inputs: torch.mm(*inp[i]),
@@ -129,7 +141,11 @@ def explore() -> dict:
                     len(inputs), m * n * 2)
             best = min((v, c) for c, v in row.items() if c != "torch")
             default = bench.matmul_config_name(mm.pick_config(m, n, k, torch.bfloat16, info))
+            if default in row and row[default] <= best[0] / STICKY:
+                best = (row[default], default)
             timings[f"{name} M={m}"] = row
+            if entries and entries[-1][1] == best[1]:
+                entries.pop()  # one bucket up to this M
             entries.append((m, best[1]))
             log(f"explore {name:<13} M={m:<5} torch {row['torch']:.4f} ms  best {best[1]} "
                 f"{best[0]:.4f} ms ({row['torch'] / best[0]:.2f}x)  default {default} "
@@ -205,6 +221,12 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--tune", action="store_true")
     parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--tune-m", default=None, help="comma-separated Ms for --tune")
+    parser.add_argument("--tune-shapes", default=None,
+                        help="comma-separated shapes for --tune (" + ", ".join(bench.MATMUL_SHAPES)
+                        + ")")
+    parser.add_argument("--tune-only", action="store_true",
+                        help="--tune, then stop (no benchmark, sweeps or tests)")
     parser.add_argument("--deadline", type=float, default=360.0,
                         help="seconds after which the remaining phases are skipped")
     args = parser.parse_args()
@@ -215,9 +237,13 @@ def main() -> None:
     phase("ceilings", ceilings, out, args.deadline)
     log(RESULT["ceilings"])
     phase("cross_config_bits", cross_config_bits, out, args.deadline)
-    if args.tune:
-        phase("explore", explore, out, args.deadline)
+    if args.tune or args.tune_only:
+        shapes = args.tune_shapes.split(",") if args.tune_shapes else None
+        ms = tuple(int(m) for m in args.tune_m.split(",")) if args.tune_m else bench.M_VALUES
+        phase("explore", lambda: explore(shapes, ms), out, args.deadline)
         log("TUNED_16BIT =", RESULT["explore"].get("table"))
+        if args.tune_only:
+            return
     phase("benchmark", lambda: benchmark(out), out, args.deadline)
     phase("sweeps", sweeps, out, args.deadline)
     if not args.skip_tests:
