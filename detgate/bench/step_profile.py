@@ -6,7 +6,8 @@ the eager step's kernels summed by kind (matmul, attention, norm, other) under t
 
 Step shapes: decode_1 / decode_64 / decode_256 = that many sequences of 256 tokens (the decode
 step goals and the cost workload's batch); mixed_1018 = 250 decodes (context 200) + 6 prompts of
-128 tokens prefilled at once (1018 tokens). K/V are written into
+128 tokens prefilled at once (1018 tokens); mixed_1250 = 240 decodes (context 150) + 10 prompts of
+101 tokens (1250: the cost workload's slowest class of mixed steps). K/V are written into
 the padding block only; keys are read from blocks of their own. Writes OUT_DIR/step-profile.json.
 """
 
@@ -35,7 +36,8 @@ KINDS = (("attention", ("attn", "combine", "store_kv")),
 
 
 STEPS = {"decode_1": (1, 256, 0, 0), "decode_64": (64, 256, 0, 0),
-         "decode_256": (256, 256, 0, 0), "mixed_1018": (250, 200, 6, 128)}
+         "decode_256": (256, 256, 0, 0), "mixed_1018": (250, 200, 6, 128),
+         "mixed_1250": (240, 150, 10, 101)}
 
 
 def kind(name: str) -> str:
