@@ -9,6 +9,11 @@ step goals and the cost workload's batch); mixed_1018 = 250 decodes (context 200
 128 tokens prefilled at once (1018 tokens); mixed_1250 = 240 decodes (context 150) + 10 prompts of
 101 tokens (1250: the cost workload's slowest class of mixed steps). K/V are written into
 the padding block only; keys are read from blocks of their own. Writes OUT_DIR/step-profile.json.
+
+With programmatic dependent launch (kernels/pdl.py) a kernel of ours starts before its
+predecessor ends and waits inside: the profiler counts that wait as the kernel's time, so the
+per-kind sums overlap (their total exceeds the step). Compare the modes by graph_ms, or run with
+DETGATE_PDL=0 for sums that add up.
 """
 
 from __future__ import annotations
