@@ -2,7 +2,8 @@
 (the `attention` rows of `detgate bench kernels`, on CUDA and on the CPU).
 
 CUDA: Qwen3-8B's attention (32 q heads, 8 kv heads, head dim 128, bf16, cache block 16).
-- decode: one query per sequence over B x L cached tokens; `kv_tb_s` = bytes of K and V read
+- decode: one query per sequence over B x L cached tokens (the decode launch, as the engine's
+  decode steps take it); `kv_tb_s` = bytes of K and V read
   per second, against `copy_tb_s`, the device's copy bandwidth (read + write) measured in the
   same run; SDPA reads the same K/V from contiguous tensors (no paging).
 - prefill: B fresh prompts of L tokens, causal; SDPA is the flash kernel (K/V expanded to 32
@@ -30,7 +31,7 @@ from detgate.kernels.attention_tiles import CONFIGS, FIELDS, SHIPPED, TileConfig
 QWEN3_8B = {"hq": 32, "hkv": 8, "d": 128}
 TINY = {"hq": 8, "hkv": 2, "d": 32}
 DECODE_SHAPES = [(1, 4096), (16, 4096), (64, 4096), (128, 4096), (32, 8192), (256, 2048),
-                 (4, 65536)]
+                 (4, 65536), (1, 256), (64, 256), (256, 256)]
 PREFILL_SHAPES = [(1, 1024), (4, 2048), (1, 4096), (1, 8192)]
 BLOCK_SIZE = 16
 
@@ -104,7 +105,8 @@ def _cuda_rows() -> list[dict]:
         for config in CONFIGS:
             launches = (("auto", None), ("fused", False), ("split", True))
             for launch, split in launches if config == SHIPPED else launches[:1]:
-                call = functools.partial(at.paged_attention, **inp, split_programs=split)
+                call = functools.partial(at.paged_attention, **inp, decode=True,
+                                         split_programs=split)
                 ms = _cuda_ms(_with_config(at, config, call))
                 rows.append({"op": "attention_decode", "batch": batch, "context": seq_len,
                              "config": config_name(config), "launch": launch,

@@ -8,13 +8,16 @@ its own) is captured into a CUDA graph of its own and replayed; variants take tu
 round, rounds repeat in rotated order, so drift of the machine falls on every variant alike.
 Variants: the general launch of the paged attention (`general`) and the decode launch
 (`decode`, program i = sequence i), picked through the step's max_query_len as the engine
-picks it. Writes OUT_DIR/decode-ab.json (median ms per variant and batch, every round's).
+picks it; `--tiles m16n64w4s3,...` adds the decode launch under other tile configurations
+(kernels/attention_tiles.py). Writes OUT_DIR/decode-ab.json (median ms per variant and batch,
+every round's).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import time
 from pathlib import Path
@@ -22,13 +25,16 @@ from pathlib import Path
 import torch
 
 from detgate.bench.report import environment
+from detgate.kernels import attention_triton
+from detgate.kernels.attention_tiles import FIELDS, SHIPPED, TileConfig, config_name
 from detgate.worker.engine.config import EngineConfig
 from detgate.worker.engine.engine import Engine
 from detgate.worker.model.attention_metadata import AttentionMetadata
 from detgate.worker.tools.random_model import load_random
 
-# name -> whether the step's attention takes the decode launch
-VARIANTS = {"general": False, "decode": True}
+# name -> (whether the step's attention takes the decode launch, its tile configuration)
+VARIANTS: dict[str, tuple[bool, TileConfig]] = {"general": (False, SHIPPED),
+                                                "decode": (True, SHIPPED)}
 BATCHES = (1, 8, 64, 128, 256)
 
 
@@ -85,7 +91,14 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--tiles", default="", help="tile configs for more decode variants")
     args = p.parse_args()
+    for name in filter(None, args.tiles.split(",")):
+        config = tuple(int(x) for x in re.findall(r"\d+", name))
+        if len(config) != len(FIELDS) or config_name(config) != name:
+            p.error(f"--tiles: {name!r} is not m<BLOCK_M>n<BLOCK_N>w<warps>s<stages>")
+        VARIANTS[f"decode_{name}"] = (True, config)
+        args.variants += f",decode_{name}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     names = args.variants.split(",")
@@ -100,7 +113,9 @@ def main() -> int:
     for r in range(args.rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
-            decode = VARIANTS[name]
+            decode, tiles = VARIANTS[name]
+            for field, value in zip(FIELDS, tiles, strict=True):
+                setattr(attention_triton, field, value)
             for b in BATCHES:
                 runs[name][b].append(time_variant(runner, b, args.context, decode, args.reps))
             print(f"round {r} {name:22s}",
