@@ -3,7 +3,8 @@
 
 CUDA: Qwen3-8B's attention (32 q heads, 8 kv heads, head dim 128, bf16, cache block 16).
 - decode: one query per sequence over B x L cached tokens (the decode launch, as the engine's
-  decode steps take it); `kv_tb_s` = bytes of K and V read
+  decode steps take it: the configuration's BLOCK_N, the decode tile's rows and warps);
+  `kv_tb_s` = bytes of K and V read
   per second, against `copy_tb_s`, the device's copy bandwidth (read + write) measured in the
   same run; SDPA reads the same K/V from contiguous tensors (no paging).
 - prefill: B fresh prompts of L tokens, causal; SDPA is the flash kernel (K/V expanded to 32

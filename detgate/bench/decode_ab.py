@@ -6,11 +6,11 @@ One batch_invariant engine on the random-weight model; per variant and batch siz
 step (every layer, lm_head and log_softmax, every sequence `--context` tokens long on blocks of
 its own) is captured into a CUDA graph of its own and replayed; variants take turns within a
 round, rounds repeat in rotated order, so drift of the machine falls on every variant alike.
-Variants: the general launch of the paged attention (`general`) and the decode launch
-(`decode`, program i = sequence i), picked through the step's max_query_len as the engine
-picks it; `--tiles m16n64w4s3,...` adds the decode launch under other tile configurations
-(kernels/attention_tiles.py). Writes OUT_DIR/decode-ab.json (median ms per variant and batch,
-every round's).
+Variants: the general launch of the paged attention (`general`), the decode launch (program
+i = sequence i) with the prefill's 64-row tiles (`decode_rows64`) and with its own tiles
+(`decode`, kernels/attention_tiles.py DECODE), picked through the step's max_query_len as the
+engine picks it; `--tiles m16n64w4s3,...` adds decode launches with other tiles (rows, BLOCK_N,
+warps, stages). Writes OUT_DIR/decode-ab.json (median ms per variant and batch, every round's).
 """
 
 from __future__ import annotations
@@ -26,15 +26,17 @@ import torch
 
 from detgate.bench.report import environment
 from detgate.kernels import attention_triton
-from detgate.kernels.attention_tiles import FIELDS, SHIPPED, TileConfig, config_name
+from detgate.kernels.attention_tiles import DECODE, SHIPPED, TileConfig, config_name
 from detgate.worker.engine.config import EngineConfig
 from detgate.worker.engine.engine import Engine
 from detgate.worker.model.attention_metadata import AttentionMetadata
 from detgate.worker.tools.random_model import load_random
 
-# name -> (whether the step's attention takes the decode launch, its tile configuration)
-VARIANTS: dict[str, tuple[bool, TileConfig]] = {"general": (False, SHIPPED),
-                                                "decode": (True, SHIPPED)}
+# name -> (whether the step's attention takes the decode launch, the decode tiles: rows, BLOCK_N,
+# warps, stages; None: the prefill's)
+DECODE_SHIPPED = (DECODE[0], SHIPPED[1], *DECODE[1:])
+VARIANTS: dict[str, tuple[bool, TileConfig | None]] = {
+    "general": (False, None), "decode_rows64": (True, None), "decode": (True, DECODE_SHIPPED)}
 BATCHES = (1, 8, 64, 128, 256)
 
 
@@ -95,7 +97,7 @@ def main() -> int:
     args = p.parse_args()
     for name in filter(None, args.tiles.split(",")):
         config = tuple(int(x) for x in re.findall(r"\d+", name))
-        if len(config) != len(FIELDS) or config_name(config) != name:
+        if len(config) != 4 or config_name(config) != name:
             p.error(f"--tiles: {name!r} is not m<BLOCK_M>n<BLOCK_N>w<warps>s<stages>")
         VARIANTS[f"decode_{name}"] = (True, config)
         args.variants += f",decode_{name}"
@@ -114,8 +116,10 @@ def main() -> int:
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
             decode, tiles = VARIANTS[name]
-            for field, value in zip(FIELDS, tiles, strict=True):
-                setattr(attention_triton, field, value)
+            at = attention_triton
+            at.DECODE_TILE = tiles is not None
+            rows, at.BLOCK_N, warps, stages = tiles or DECODE_SHIPPED
+            at.DECODE_BLOCK_M, at.DECODE_NUM_WARPS, at.DECODE_NUM_STAGES = rows, warps, stages
             for b in BATCHES:
                 runs[name][b].append(time_variant(runner, b, args.context, decode, args.reps))
             print(f"round {r} {name:22s}",

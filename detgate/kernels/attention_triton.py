@@ -5,6 +5,10 @@ Reduction order (the invariant), the same for every query whatever the call:
   a fixed SIZE, never a fixed number of splits), each split into tiles of `BLOCK_N` positions;
 - inside a split, a query folds its visible tiles in ascending order into an online softmax
   (`_split_partial`); a tile after the query's position leaves its state untouched (`where`);
+- inside a tile, every sum is a matrix product, i.e. one chain of MMA k16 steps in increasing
+  k per output element: q.k over the head dim, p @ v and the row sum of p (p @ ones) over the
+  tile's positions; the rest is exact (max) or elementwise. No sum is left to a reduction whose
+  tree would follow how the tile's rows and columns sit in threads and warps;
 - the split results are merged in split order by `_merge`.
 Two launch shapes run that same arithmetic: "fused" (one program per query block and KV head
 walks all its splits and merges them in registers: no workspace, for prefill and big batches)
@@ -14,8 +18,13 @@ same tile shapes, warps and helpers, and floating-point contraction is off (no m
 into an FMA in one kernel but not the other), so a query's bits do not depend on which launch
 ran it, nor on its row inside the query block, nor on the other queries and sequences.
 A decode-only call (`decode=True`: at most one query per sequence) maps program i to sequence i
-instead of searching query_start_loc for it: which program runs a query, nothing else; its row
-sits where the general launch puts a sequence's first query (rows 0..GROUP-1).
+instead of searching query_start_loc for it, and runs tiles of `DECODE` rows (16: the GROUP rows
+of its one query, where 64-row tiles would be three quarters padding) with its own warps and
+stages. The chains above are the same; what changes is the instruction that runs them (mma.sync
+on 16 rows, wgmma on 64 rows on Hopper): that both give each element the same bits is the
+hardware's, checked on the GPU (tests/kernels/test_attention_gpu.py: every position decoded
+against its prefill) and at every worker start (kernels/selfcheck.py); DETGATE_DECODE_TILE=0
+makes decode launches take the 64-row tiles.
 
 Rows of a program are (query, head of the GQA group) pairs: row r = query r // GROUP_PAD of the
 block, q head kv_head * GROUP + r % GROUP_PAD. Keys are read by position through the block
@@ -25,16 +34,21 @@ table, so the tiles do not depend on the cache's block size.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 from detgate.kernels import pdl
-from detgate.kernels.attention_tiles import SHIPPED
+from detgate.kernels.attention_tiles import DECODE, SHIPPED
 
 # BLOCK_M: rows (query x group head) per program; BLOCK_N: KV positions per tile.
 BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = SHIPPED
+DECODE_BLOCK_M, DECODE_NUM_WARPS, DECODE_NUM_STAGES = DECODE
+DECODE_TILE = os.environ.get("DETGATE_DECODE_TILE", "1") != "0"
+# Columns of the ones that p is multiplied by for its row sum: the MMA's smallest N.
+ROW_SUM_COLUMNS = tl.constexpr(16)
 KV_SPLIT = 1024  # KV positions per split: a multiple of BLOCK_N
 COMBINE_HEADS = 2  # heads x head-dim slice per combine program: spread the merge loops wide
 COMBINE_DIMS = 64
@@ -90,6 +104,7 @@ def _split_partial(q, q_pos, kv_lo, kv_hi, seq_len, table_ptr, k_cache_ptr, v_ca
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    ones = tl.full([BLOCK_N, ROW_SUM_COLUMNS], 1.0, v_cache_ptr.dtype.element_ty)
     for n0 in range(kv_lo, kv_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         key_ok = offs_n < seq_len
@@ -104,10 +119,13 @@ def _split_partial(q, q_pos, kv_lo, kv_hi, seq_len, table_ptr, k_cache_ptr, v_ca
         # A row before this tile sees none of it: its state must stay bit-for-bit.
         seen = n0 <= q_pos
         m_new = tl.where(seen, tl.maximum(m, tl.max(s, 1)), 0.0)
-        p = tl.exp2(s - m_new[:, None])
+        p = tl.exp2(s - m_new[:, None]).to(v.dtype)
         alpha = tl.exp2(m - m_new)
-        denom_new = denom * alpha + tl.sum(p, 1)
-        acc_new = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        # Row sum as p @ ones: the same k16 chain over positions as p @ v (its columns are
+        # equal; max picks one exactly), whatever the tile's thread and warp layout.
+        row_sum = tl.max(tl.dot(p, ones, input_precision=PRECISION), 1)
+        denom_new = denom * alpha + row_sum
+        acc_new = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         denom = tl.where(seen, denom_new, denom)
         acc = tl.where(seen[:, None], acc_new, acc)
         m = tl.where(seen, m_new, m)
@@ -273,7 +291,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if decode and num_tokens > num_seqs:
         raise ValueError(f"paged_attention: decode with {num_tokens} queries for {num_seqs} "
                          "sequences")
-    q_blocks = num_seqs if decode else num_tokens // (BLOCK_M // group_pad) + num_seqs
+    block_m, warps, stages = BLOCK_M, NUM_WARPS, NUM_STAGES
+    if decode and DECODE_TILE:
+        # No deeper a pipeline than the configuration's own (its shared memory with BLOCK_N).
+        block_m, warps, stages = max(DECODE_BLOCK_M, group_pad), DECODE_NUM_WARPS, \
+            min(DECODE_NUM_STAGES, NUM_STAGES)
+    q_blocks = num_seqs if decode else num_tokens // (block_m // group_pad) + num_seqs
     max_splits = triton.cdiv(block_tables.shape[1] * block_size, KV_SPLIT)
     if split_programs is None:
         split_programs = max_splits > 1 and q_blocks * hkv < 2 * _num_sms(q.device.index or 0)
@@ -293,10 +316,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                        q.stride(0), q.stride(1), out.stride(0), out.stride(1), tables.stride(0),
                        k_cache.stride(1), k_cache.stride(2), hq * max_splits, max_splits,
                        scale * _LOG2E, BLOCK_SIZE=block_size, HEAD_DIM=d, GROUP=group,
-                       GROUP_PAD=group_pad, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, KV_SPLIT=KV_SPLIT,
+                       GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_N=BLOCK_N, KV_SPLIT=KV_SPLIT,
                        SPLIT_PROGRAMS=split_programs, DECODE=decode, PRECISION=precision,
-                       num_warps=NUM_WARPS, num_stages=NUM_STAGES, enable_fp_fusion=False,
-                       **launch)
+                       num_warps=warps, num_stages=stages, enable_fp_fusion=False, **launch)
     if split_programs:
         heads, dims = min(COMBINE_HEADS, hq), min(COMBINE_DIMS, d)
         grid = (num_tokens, triton.cdiv(hq, heads), d // dims)

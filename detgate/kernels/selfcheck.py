@@ -127,7 +127,7 @@ def attention_difference(hq: int, hkv: int, head_dim: int, dtype: torch.dtype,
     q = {i: torch.randn(n, hq, head_dim, generator=gen).to(device=device, dtype=dtype)
          for i, n in enumerate(lens)}
 
-    def run(batch: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+    def run(batch: list[tuple[int, int, int]], decode: bool = False) -> list[torch.Tensor]:
         """batch: (sequence, first query position, end) -> each entry's output rows."""
         qs = torch.cat([q[i][s:e] for i, s, e in batch])
         starts = [0]
@@ -136,7 +136,7 @@ def attention_difference(hq: int, hkv: int, head_dim: int, dtype: torch.dtype,
         out = paged_attention(qs, k_cache, v_cache, table[[i for i, _, _ in batch]],
                               torch.tensor(starts, dtype=torch.int32, device=device),
                               torch.tensor([e for _, _, e in batch], dtype=torch.int32,
-                                           device=device), head_dim ** -0.5)
+                                           device=device), head_dim ** -0.5, decode=decode)
         return [out[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
 
     alone = run([(0, 0, 40)])[0]
@@ -147,6 +147,13 @@ def attention_difference(hq: int, hkv: int, head_dim: int, dtype: torch.dtype,
             if not same_bits(got, alone[s:e]):
                 return (f"queries {s}..{e - 1} in a batch of {len(batch)} sequences differ from "
                         "the same positions prefilled alone")
+    # A decode step's launch (one query per sequence; on CUDA its own tile height) against
+    # the same positions prefilled.
+    for pos in (0, 13, 39):
+        got = run([(1, 69, 70), (0, pos, pos + 1), (4, 0, 1)], decode=True)[1]
+        if not same_bits(got, alone[pos:pos + 1]):
+            return (f"position {pos} in a decode step differs from the same position prefilled "
+                    "(DETGATE_DECODE_TILE=0 gives decode steps the prefill's tiles)")
     return None
 
 
