@@ -28,6 +28,7 @@ from detgate.bench.report import environment
 from detgate.kernels import attention_triton
 from detgate.kernels.attention_tiles import DECODE, SHIPPED, TileConfig, config_name
 from detgate.worker.engine.config import EngineConfig
+from detgate.worker.engine.cuda_graphs import capture_graph
 from detgate.worker.engine.engine import Engine
 from detgate.worker.model.attention_metadata import AttentionMetadata
 from detgate.worker.tools.random_model import load_random
@@ -64,14 +65,7 @@ def time_variant(runner, batch: int, context: int, decode: bool, reps: int) -> f
         hidden = runner.model(ids, pos, meta, runner.kv_caches)
         return runner.sampler.log_softmax(runner.model.compute_logits(hidden))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = capture_graph(step, pool=None)
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

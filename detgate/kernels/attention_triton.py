@@ -271,7 +271,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     `decode`: the caller knows that no sequence has more than one query (a decode step); a
     sequence with more would be computed wrongly. `split_programs` picks the launch shape
-    (None: by occupancy). Neither changes any bit of the result."""
+    (None: by occupancy). Neither changes a bit of the result (the decode tile: see above)."""
     if q.dtype not in _SUPPORTED or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise TypeError(f"paged_attention: q and caches in one of {_SUPPORTED}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
