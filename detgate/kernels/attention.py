@@ -3,11 +3,13 @@
     store_kv(k, v, k_cache, v_cache, slot_mapping) -> None
         k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D];
         slot_mapping: [T] int64 = block_id * block_size + offset; entries < 0 are skipped.
-    paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
+    paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                    decode=False)
         q: [T, Hq, D], the queries of all sequences concatenated; sequence i owns
         q[query_start_loc[i]:query_start_loc[i+1]], its LAST positions (query j sits at
         seq_lens[i] - qlen_i + j). block_tables: [B, max_blocks] int32 (padding 0 or -1).
-        Causal, GQA (Hq % Hkv == 0). Returns [T, Hq, D] in q's dtype.
+        Causal, GQA (Hq % Hkv == 0). Returns [T, Hq, D] in q's dtype. decode=True promises
+        at most one query per sequence (a decode step: CUDA then takes its decode launch).
 
 Invariant (both implementations): a query's output bits depend only on its q row, its
 position and its sequence's cached K/V, never on the other queries or sequences in the call,
