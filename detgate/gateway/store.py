@@ -144,9 +144,22 @@ class _BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionP
 class ClientFailure(RedisError):
     """A failure of Redis that the client raises outside RedisError, made one as every other
     failure of Redis is: the cluster client's own exceptions (a slot that no node serves
-    during a failover, ...), and uvloop's RuntimeError on a connection whose peer has gone
+    during a failover, ...), uvloop's RuntimeError on a connection whose peer has gone
     (uvloop issue 506: where asyncio's transport raises OSError, uvloop's raises
-    RuntimeError; seen when a cluster master was killed under load)."""
+    RuntimeError; seen when a cluster master was killed under load), and the AttributeError
+    or TypeError of a write on a connection that another task has just torn down (redis-py
+    issues 3546 and 4287: `'NoneType' object has no attribute 'writelines'` when a cluster
+    master was killed under 200 concurrent requests), when raised inside the client."""
+
+
+def _raised_in_client(tb) -> bool:
+    """Whether a traceback runs through the redis package: the error came from inside the
+    client, not from our own code around the call."""
+    while tb is not None:
+        if tb.tb_frame.f_globals.get("__name__", "").startswith("redis."):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 class _Slot:
@@ -165,7 +178,8 @@ class _Slot:
     async def __aexit__(self, kind, exc, tb) -> bool:
         if self.bound is not None:
             self.bound.release()
-        if isinstance(exc, RedisClusterException | RuntimeError):
+        if isinstance(exc, RedisClusterException | RuntimeError) or (
+                isinstance(exc, AttributeError | TypeError) and _raised_in_client(tb)):
             raise ClientFailure(f"{type(exc).__name__}: {exc}") from exc
         return False
 

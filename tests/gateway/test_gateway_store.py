@@ -4,11 +4,12 @@ each URL asks for, the mistakes refused at start, every key of a tenant on one h
 from __future__ import annotations
 
 import pytest
+import redis.asyncio as aioredis
 from redis.crc import key_slot
 
 from detgate.gateway.config import Settings
 from detgate.gateway.keys import Keys
-from detgate.gateway.store import CLUSTER, SENTINEL, STANDALONE, RedisTarget
+from detgate.gateway.store import CLUSTER, SENTINEL, STANDALONE, ClientFailure, RedisTarget, _Slot
 
 
 @pytest.mark.parametrize(("url", "expected"), [
@@ -75,3 +76,26 @@ def test_every_key_of_a_tenant_is_on_one_slot() -> None:
                 for kind in ("rec", "idx", "sto", "exp", "lim", "drf", "ref")}) > 1
     with pytest.raises(ValueError):
         Keys("detgate{x}")
+
+
+async def test_a_write_on_a_torn_down_connection_is_a_redis_failure(redis_url) -> None:
+    """redis-py issues 3546 / 4287: a connection that another task has just torn down (a killed
+    cluster master, under load) raises AttributeError or TypeError on its next write instead
+    of ConnectionError. Inside a command's slot that is a failure of Redis (ClientFailure,
+    which the recorder spools on, as on every RedisError); the same error raised by our own code
+    in the slot stays what it is. Here on a real connection, its writer cleared as the
+    teardown leaves it: the line of the client that raised it in a cluster master kill."""
+    conn = aioredis.ConnectionPool.from_url(redis_url).make_connection()
+    await conn.connect()
+    writer, conn._writer = conn._writer, None
+    try:
+        with pytest.raises(ClientFailure, match="writelines"):
+            async with _Slot(None):
+                await conn._send_packed_command([b"*1\r\n$4\r\nPING\r\n"])
+        with pytest.raises(AttributeError):
+            async with _Slot(None):
+                writer_of_nothing = None
+                writer_of_nothing.writelines([])  # type: ignore[attr-defined]
+    finally:
+        conn._writer = writer
+        await conn.disconnect()
