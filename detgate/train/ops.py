@@ -13,7 +13,9 @@ weights, dtype and device), whatever either batch holds:
 - Attention: a query at position p reads its own sequence's keys 0..p in increasing position
   through the block table, in an order set by (head dim, p + 1) on the CPU and by fixed
   KV_SPLIT / BLOCK_N tiles on CUDA, never by the other queries or sequences, by decode vs
-  prefill, by the prompt's chunking or by the cache's block size (kernels/attention.py). The
+  prefill (on CUDA a decode step's 16-row tiles give the bits of prefill's 64-row ones:
+  kernels/attention_triton.py says why and how that is checked), by the prompt's chunking or
+  by the cache's block size (kernels/attention.py). The
   trainer stores its whole batch in a cache of its own (train/batch.py) and runs the same
   kernel: its row for position p is the engine's row for position p, whether the engine
   computed that row in one prefill, a chunk, a decode step, from a prefix-cache hit (whose K/V
