@@ -89,11 +89,12 @@ def main() -> int:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--tiles", default="", help="tile configs for more decode variants")
     args = p.parse_args()
+    variants = dict(VARIANTS)
     for name in filter(None, args.tiles.split(",")):
         config = tuple(int(x) for x in re.findall(r"\d+", name))
         if len(config) != 4 or config_name(config) != name:
             p.error(f"--tiles: {name!r} is not m<BLOCK_M>n<BLOCK_N>w<warps>s<stages>")
-        VARIANTS[f"decode_{name}"] = (True, config)
+        variants[f"decode_{name}"] = (True, config)
         args.variants += f",decode_{name}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -109,7 +110,7 @@ def main() -> int:
     for r in range(args.rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
-            decode, tiles = VARIANTS[name]
+            decode, tiles = variants[name]
             at = attention_triton
             at.DECODE_TILE = tiles is not None
             rows, at.BLOCK_N, warps, stages = tiles or DECODE_SHIPPED
@@ -123,7 +124,7 @@ def main() -> int:
     for n in names:
         print(f"{n:22s}", " ".join(f"{median[n][b]:8.3f}" for b in BATCHES))
     result = {"environment": environment("cuda"), "args": vars(args),
-              "variants": {n: VARIANTS[n] for n in names}, "median_ms": median, "runs": runs,
+              "variants": {n: variants[n] for n in names}, "median_ms": median, "runs": runs,
               "timing": "CUDA graph of one decode step (layers, lm_head, log_softmax) per "
                         "variant and batch, replayed reps times between CUDA events",
               "seconds": round(time.time() - start, 1)}

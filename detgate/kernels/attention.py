@@ -60,10 +60,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Causal GQA attention of every query over its sequence's cached K/V (see above).
 
     `decode`: the caller's promise that no sequence has more than one query (a decode step),
-    which lets the CUDA kernel skip finding each program's sequence; same bits either way."""
+    which lets the CUDA kernel take its decode launch; same bits either way."""
     _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
-    if decode and q.is_cuda:
-        return _impl("paged_attention", q)(q, k_cache, v_cache, block_tables, query_start_loc,
-                                           seq_lens, scale, decode=True)
     return _impl("paged_attention", q)(q, k_cache, v_cache, block_tables, query_start_loc,
-                                       seq_lens, scale)
+                                       seq_lens, scale, decode=decode)

@@ -34,8 +34,9 @@ def _int32(x: torch.Tensor) -> torch.Tensor:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                    seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal GQA attention of q [T, Hq, D] over the paged cache; see kernels/attention.py."""
+                    seq_lens: torch.Tensor, scale: float, decode: bool = False) -> torch.Tensor:
+    """Causal GQA attention of q [T, Hq, D] over the paged cache; see kernels/attention.py.
+    `decode` changes nothing here: the kernel runs one query at a time whatever the step."""
     if k_cache.dtype not in (torch.float32, torch.bfloat16):
         k_cache, v_cache = k_cache.float(), v_cache.float()
     qs = (q.float() * scale).contiguous()

@@ -158,16 +158,11 @@ def _attn_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, qsl_ptr, 
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
-    if DECODE:  # program i: sequence i's query (if it has one) in rows 0..GROUP-1, as below
-        seq = pid
-        q_begin = tl.load(qsl_ptr + seq)
-        q_len = tl.load(qsl_ptr + seq + 1) - q_begin
-        q_first = 0
-    else:
-        seq = _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q, True)
-        q_begin = tl.load(qsl_ptr + seq)
-        q_len = tl.load(qsl_ptr + seq + 1) - q_begin
-        q_first = (pid - (q_begin // BLOCK_Q + seq)) * BLOCK_Q  # this block's first query
+    # DECODE: program i is sequence i, its query (if it has one) in rows 0..GROUP-1 as below.
+    seq = pid if DECODE else _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q, True)
+    q_begin = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_begin
+    q_first = 0 if DECODE else (pid - (q_begin // BLOCK_Q + seq)) * BLOCK_Q  # block's 1st query
     if q_first >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
