@@ -10,7 +10,9 @@ Variants: the general launch of the paged attention (`general`), the decode laun
 i = sequence i) with the prefill's 64-row tiles (`decode_rows64`) and with its own tiles
 (`decode`, kernels/attention_tiles.py DECODE), picked through the step's max_query_len as the
 engine picks it; `--tiles m16n64w4s3,...` adds decode launches with other tiles (rows, BLOCK_N,
-warps, stages). Writes OUT_DIR/decode-ab.json (median ms per variant and batch, every round's).
+warps, stages); `--prefetch 0,2048,...` adds the decode variant with each matmul weight
+prefetch (bytes per weight row, kernels/matmul_triton.py PREFETCH_ROW_BYTES; 0: none). Writes
+OUT_DIR/decode-ab.json (median ms per variant and batch, every round's).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 import torch
 
 from detgate.bench.report import environment
-from detgate.kernels import attention_triton
+from detgate.kernels import attention_triton, matmul_triton
 from detgate.kernels.attention_tiles import DECODE, SHIPPED, TileConfig, config_name
 from detgate.worker.engine.config import EngineConfig
 from detgate.worker.engine.cuda_graphs import capture_graph
@@ -88,13 +90,21 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--tiles", default="", help="tile configs for more decode variants")
+    p.add_argument("--prefetch", default="", help="matmul weight prefetch bytes per row, for "
+                   "more decode variants")
     args = p.parse_args()
     variants = dict(VARIANTS)
+    prefetch = {name: matmul_triton.PREFETCH_ROW_BYTES for name in variants}
+    for value in filter(None, args.prefetch.split(",")):
+        name = f"decode_pf{int(value)}"
+        variants[name], prefetch[name] = VARIANTS["decode"], int(value)
+        args.variants += f",{name}"
     for name in filter(None, args.tiles.split(",")):
         config = tuple(int(x) for x in re.findall(r"\d+", name))
         if len(config) != 4 or config_name(config) != name:
             p.error(f"--tiles: {name!r} is not m<BLOCK_M>n<BLOCK_N>w<warps>s<stages>")
         variants[f"decode_{name}"] = (True, config)
+        prefetch[f"decode_{name}"] = matmul_triton.PREFETCH_ROW_BYTES
         args.variants += f",decode_{name}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -115,6 +125,9 @@ def main() -> int:
             at.DECODE_TILE = tiles is not None
             rows, at.BLOCK_N, warps, stages = tiles or DECODE_SHIPPED
             at.DECODE_BLOCK_M, at.DECODE_NUM_WARPS, at.DECODE_NUM_STAGES = rows, warps, stages
+            if prefetch[name] != matmul_triton.PREFETCH_ROW_BYTES:
+                matmul_triton.PREFETCH_ROW_BYTES = prefetch[name]
+                matmul_triton.clear_caches()  # the plans keep the prefetch bytes
             for b in BATCHES:
                 runs[name][b].append(time_variant(runner, b, args.context, decode, args.reps))
             print(f"round {r} {name:22s}",
@@ -124,7 +137,9 @@ def main() -> int:
     for n in names:
         print(f"{n:22s}", " ".join(f"{median[n][b]:8.3f}" for b in BATCHES))
     result = {"environment": environment("cuda"), "args": vars(args),
-              "variants": {n: variants[n] for n in names}, "median_ms": median, "runs": runs,
+              "variants": {n: variants[n] for n in names},
+              "prefetch_row_bytes": {n: prefetch[n] for n in names}, "median_ms": median,
+              "runs": runs,
               "timing": "CUDA graph of one decode step (layers, lm_head, log_softmax) per "
                         "variant and batch, replayed reps times between CUDA events",
               "seconds": round(time.time() - start, 1)}

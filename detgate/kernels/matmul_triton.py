@@ -69,6 +69,11 @@ CONFIG_FP32 = TileConfig(64, 64, 4, 3, block_k=32)
 CONFIG_INTERPRETER = TileConfig(16, 32, 4, 1, block_k=32)
 # Row tiles from which A and C go through TMA descriptors (see `_a_desc`).
 DESC_MIN_TILES = 1
+# Weight prefetch before the PDL wait (`_prefetch_rows`): bytes of each weight row of its first
+# tile a program asks L2 for while its predecessor still runs, up to PREFETCH_MAX_M rows of A
+# (decode: the weights are streamed once, and their first bytes need not wait for A). 0: off.
+PREFETCH_ROW_BYTES = 1024
+PREFETCH_MAX_M = 64
 
 # Fastest config per M bucket, measured on H200 (`python -m detgate.bench.kernels_proof --tune`,
 # Qwen3-8B projections, bench/results/kernels-h200-*.json): (N, K) -> ((M upper bound, config
@@ -175,12 +180,48 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit(do_not_specialize=["M", "num_tiles", "grid_size"])
+@triton.jit
+def _prefetch_rows(first_row, rows, row_stride, nbytes, BLOCK_N: tl.constexpr,
+                   THREADS: tl.constexpr):
+    """Thread t asks L2 for the first `nbytes` of rows t, t + THREADS, ... below `rows`
+    (first_row: the first row's address; one bulk prefetch per row and thread, sm_90). A cache
+    hint: nothing is read into registers and no value anywhere changes, only where the later
+    loads find their bytes."""
+    for j in tl.static_range(0, BLOCK_N, THREADS):
+        tl.inline_asm_elementwise(
+            """{
+            .reg .u32 t;
+            .reg .pred p;
+            .reg .u64 a;
+            mov.u32 t, %tid.x;
+            add.u32 t, t, $5;
+            setp.lt.u32 p, t, $3;
+            mad.wide.u32 a, t, $4, $1;
+            @p cp.async.bulk.prefetch.L2.global [a], $2;
+            mov.u32 $0, 0;
+            }""", "=r,l,r,r,r,r", [first_row, nbytes, rows, row_stride, j],
+            dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit(do_not_specialize=["M", "num_tiles", "grid_size", "prefetch_bytes"])
 def _matmul_tma_kernel(a_desc, b_desc, c_desc, bias_ptr, M, N, K, stride_am, num_tiles,
-                       grid_size, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, B_IS_NK: tl.constexpr,
-                       A_DESC: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+                       grid_size, w_ptr, stride_wn, prefetch_bytes, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                       B_IS_NK: tl.constexpr, A_DESC: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       PRECISION: tl.constexpr, PREFETCH: tl.constexpr, THREADS: tl.constexpr,
                        PDL: tl.constexpr):
+    if PREFETCH:  # noqa: SIM102 (compile time; the test below is a runtime one)
+        # The weights (w_ptr: B as [N, K] rows, the descriptor's memory) are not the
+        # predecessor's output: while this program waits for A's producer, L2 can already
+        # fetch the start of its first tile's weight rows, a few k-steps' worth.
+        if prefetch_bytes > 0:
+            _, pid_n0 = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N),
+                                     GROUP_M)
+            first = pid_n0 * BLOCK_N
+            elem: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+            _prefetch_rows((w_ptr + first.to(tl.int64) * stride_wn).to(tl.int64, bitcast=True),
+                           tl.minimum(N - first, BLOCK_N), stride_wn * elem, prefetch_bytes,
+                           BLOCK_N, THREADS)
     pdl.enter(PDL)  # launched early, waits for A's producer (kernels/pdl.py)
     # A_DESC: A and C are TMA descriptors; otherwise plain pointers (A rows stride_am apart,
     # C rows N apart), read and written with row masks. B is always a descriptor.
@@ -266,6 +307,20 @@ def clear_caches() -> None:
     _WEIGHTS.clear()
 
 
+def prefetch_bytes(m: int, k: int, element_size: int) -> int:
+    """Bytes of each weight row a program asks L2 for before its PDL wait: PREFETCH_ROW_BYTES,
+    at most the row, a multiple of 16 (the bulk prefetch's unit); 0 above PREFETCH_MAX_M rows."""
+    if m > PREFETCH_MAX_M:
+        return 0
+    return min(k * element_size, PREFETCH_ROW_BYTES) // 16 * 16
+
+
+def _prefetches(a: torch.Tensor, b_is_nk: bool) -> bool:
+    """Whether a launch may prefetch its weight rows: only where it starts early (PDL), from
+    [N, K] weights (rows of K), 16-bit."""
+    return b_is_nk and pdl.on(a) and a.element_size() == 2
+
+
 def _tma_ok(t: torch.Tensor, strides: tuple[int, ...]) -> bool:
     size = t.element_size()
     return t.data_ptr() % 16 == 0 and all((s * size) % 16 == 0 for s in strides)
@@ -303,12 +358,15 @@ class _Launch:
         a_arg = TensorDescriptor(a, [m, k], [k, 1], [cfg.block_m, cfg.block_k]) if a_desc else a
         c_arg = TensorDescriptor(c, [m, n], [n, 1], [cfg.block_m, cfg.block_n]) if a_desc else c
         on = pdl.on(a)
+        self.prefetch = _prefetches(a, b_is_nk)
         self.launcher = Launcher(
             _matmul_tma_kernel, (1,),
             (a_arg, b_desc, c_arg, bias if bias is not None else c, m, n, k, k, 1, 1,
-             cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, b_is_nk, a_desc,
-             bias is not None, "ieee" if a.dtype == torch.float32 else "tf32", on),
+             bt, bt.stride(0), 0, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, b_is_nk,
+             a_desc, bias is not None, "ieee" if a.dtype == torch.float32 else "tf32",
+             self.prefetch, cfg.num_warps * 32, on),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=on)
+        self.weight_args = (bt.data_ptr(), bt.stride(0))
         self.b_args = tuple(self.launcher.descriptor_arg(1 if a_desc else 0, b_desc))
         self.encode_a = self.launcher.encoder(0) if a_desc else None
         self.encode_c = self.launcher.encoder(2) if a_desc else None
@@ -355,7 +413,7 @@ class _Weight:
         if launch is None:
             launch = _Launch(a, bt, self.b_is_nk, bias, cfg, key[1], self.info)
             self.by_config[key] = launch
-        plan = self.by_m[m] = _Plan(launch, m, self.n, self.k)
+        plan = self.by_m[m] = _Plan(launch, m, self.n, self.k, bt.element_size())
         return plan
 
 
@@ -365,11 +423,13 @@ class _Plan:
 
     __slots__ = ("launch", "grid", "tail")
 
-    def __init__(self, launch: _Launch, m: int, n: int, k: int):
+    def __init__(self, launch: _Launch, m: int, n: int, k: int, element_size: int):
         num_tiles = triton.cdiv(m, launch.block_m) * launch.n_tiles
         self.launch = launch
         self.grid = min(num_tiles, launch.max_programs)
-        self.tail = (m, n, k, k, num_tiles, self.grid)  # M, N, K, stride_am, tiles, grid
+        prefetch = prefetch_bytes(m, k, element_size) if launch.prefetch else 0
+        # M, N, K, stride_am, tiles, grid, the weight's rows, the bytes of each to prefetch
+        self.tail = (m, n, k, k, num_tiles, self.grid, *launch.weight_args, prefetch)
 
 
 # (weight data_ptr, shape, strides, dtype, bias data_ptr) -> _Weight, or None where the fast
@@ -476,11 +536,14 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         c_arg = TensorDescriptor(c, [m, n], [n, 1], [cfg.block_m, cfg.block_n]) if desc else c
         num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
         grid = min(num_tiles, info.num_sms * cfg.ctas_per_sm)
+        prefetch = _prefetches(a, b_is_nk)
         _matmul_tma_kernel[(grid,)](
-            a_arg, b_arg, c_arg, bias_arg, m, n, k, a_stride0, num_tiles, grid,
+            a_arg, b_arg, c_arg, bias_arg, m, n, k, a_stride0, num_tiles, grid, bt, bt.stride(0),
+            prefetch_bytes(m, k, a.element_size()) if prefetch else 0,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             B_IS_NK=b_is_nk, A_DESC=desc, HAS_BIAS=bias is not None, PRECISION=precision,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
+            PREFETCH=prefetch, THREADS=cfg.num_warps * 32, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **launch)
     else:
         stride_bk, stride_bn = (bt.stride(1), bt.stride(0)) if b_is_nk else bt.stride()
         grid = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
