@@ -45,6 +45,16 @@ class TileConfig:
     # Programs per SM for the persistent grid: >1 lets small memory-bound tiles overlap.
     ctas_per_sm: int = 1
     group_m: int = 8
+    # A smaller tile (dividing block_m x block_n) for what is left after the grid's full waves:
+    # a last wave of a few big tiles leaves most SMs idle; cut into tail_m x tail_n sub-tiles
+    # it spreads over all of them (0: no tail). Only which program computes an element changes.
+    tail_m: int = 0
+    tail_n: int = 0
+
+    @property
+    def subtiles(self) -> int:
+        """Sub-tiles per tile in the tail (0: no tail)."""
+        return (self.block_m // self.tail_m) * (self.block_n // self.tail_n) if self.tail_m else 0
 
 
 # Hopper, 16-bit operands; shared memory per config stays under the 227 KB a program may use.
@@ -64,6 +74,13 @@ CONFIGS_16BIT = {
     "m64n32k128": TileConfig(64, 32, 4, 7, block_k=128),
     "m64n32k256": TileConfig(64, 32, 4, 4, block_k=256),
     "m64n16k256": TileConfig(64, 16, 4, 5, block_k=256),
+    # With a tail: the tiles after the full waves in halves or quarters.
+    "m128n256t64": TileConfig(128, 256, 8, 3, tail_m=64, tail_n=256),
+    "m128n256t64n128": TileConfig(128, 256, 8, 3, tail_m=64, tail_n=128),
+    "m128n128t64": TileConfig(128, 128, 8, 4, tail_m=64, tail_n=128),
+    "m128n128w4t64": TileConfig(128, 128, 4, 4, tail_m=64, tail_n=128),
+    "m64n256t128": TileConfig(64, 256, 4, 4, tail_m=64, tail_n=128),
+    "m64n128k128t64": TileConfig(64, 128, 4, 4, block_k=128, tail_m=64, tail_n=64),
 }
 CONFIG_FP32 = TileConfig(64, 64, 4, 3, block_k=32)
 CONFIG_INTERPRETER = TileConfig(16, 32, 4, 1, block_k=32)
@@ -203,13 +220,47 @@ def _prefetch_rows(first_row, rows, row_stride, nbytes, BLOCK_N: tl.constexpr,
             dtype=tl.int32, is_pure=False, pack=1)
 
 
-@triton.jit(do_not_specialize=["M", "num_tiles", "grid_size", "prefetch_bytes"])
-def _matmul_tma_kernel(a_desc, b_desc, c_desc, bias_ptr, M, N, K, stride_am, num_tiles,
-                       grid_size, w_ptr, stride_wn, prefetch_bytes, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                       B_IS_NK: tl.constexpr, A_DESC: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       PRECISION: tl.constexpr, PREFETCH: tl.constexpr, THREADS: tl.constexpr,
-                       PDL: tl.constexpr):
+@triton.jit
+def _tile(a_desc, b_desc, c_desc, bias_ptr, M, N, K, stride_am, off_m, off_n,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          B_IS_NK: tl.constexpr, A_DESC: tl.constexpr, HAS_BIAS: tl.constexpr,
+          PRECISION: tl.constexpr):
+    """C[off_m : off_m + BLOCK_M, off_n : off_n + BLOCK_N], one program, one accumulator."""
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # The K order: chunk 0, 1, ... k_tiles-1, one dot each, into the same accumulator.
+    # Out-of-range rows/columns/K are zero-filled by the descriptor or the load mask alike.
+    for ki in range(tl.cdiv(K, BLOCK_K)):
+        if A_DESC:
+            a = a_desc.load([off_m, ki * BLOCK_K])
+        else:
+            offs_k = ki * BLOCK_K + tl.arange(0, BLOCK_K)
+            a = tl.load(a_desc + offs_m[:, None] * stride_am + offs_k[None, :],
+                        mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+        if B_IS_NK:  # noqa: SIM108 (compile time: one branch is compiled)
+            b = b_desc.load([off_n, ki * BLOCK_K]).T
+        else:
+            b = b_desc.load([ki * BLOCK_K, off_n])
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+        acc = acc + bias.to(tl.float32)[None, :]
+    if A_DESC:
+        c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+    else:
+        tl.store(c_desc + offs_m[:, None] * N + offs_n[None, :], acc.to(c_desc.dtype.element_ty),
+                 mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit(do_not_specialize=["M", "num_tiles", "grid_size", "tail_tiles", "prefetch_bytes"])
+def _matmul_tma_kernel(a_desc, b_desc, c_desc, a2_desc, b2_desc, c2_desc, bias_ptr, M, N, K,
+                       stride_am, num_tiles, grid_size, tail_tiles, w_ptr, stride_wn,
+                       prefetch_bytes, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, TAIL_M: tl.constexpr,
+                       TAIL_N: tl.constexpr, B_IS_NK: tl.constexpr, A_DESC: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+                       PREFETCH: tl.constexpr, THREADS: tl.constexpr, PDL: tl.constexpr):
     if PREFETCH:  # noqa: SIM102 (compile time; the test below is a runtime one)
         # The weights (w_ptr: B as [N, K] rows, the descriptor's memory) are not the
         # predecessor's output: while this program waits for A's producer, L2 can already
@@ -227,37 +278,26 @@ def _matmul_tma_kernel(a_desc, b_desc, c_desc, bias_ptr, M, N, K, stride_am, num
     # C rows N apart), read and written with row masks. B is always a descriptor.
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    k_tiles = tl.cdiv(K, BLOCK_K)
+    # Tiles 0 .. num_tiles-1 of the BLOCK_M x BLOCK_N grid (full waves of the persistent grid).
     for tile_id in tl.range(tl.program_id(0), num_tiles, grid_size, flatten=True):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        offs_m = off_m + tl.arange(0, BLOCK_M)
-        offs_n = off_n + tl.arange(0, BLOCK_N)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        # The K order: chunk 0, 1, ... k_tiles-1, one dot each, into the same accumulator.
-        # Out-of-range rows/columns/K are zero-filled by the descriptor or the load mask alike.
-        for ki in range(k_tiles):
-            if A_DESC:
-                a = a_desc.load([off_m, ki * BLOCK_K])
-            else:
-                offs_k = ki * BLOCK_K + tl.arange(0, BLOCK_K)
-                a = tl.load(a_desc + offs_m[:, None] * stride_am + offs_k[None, :],
-                            mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
-            if B_IS_NK:
-                b = b_desc.load([off_n, ki * BLOCK_K]).T
-            else:
-                b = b_desc.load([ki * BLOCK_K, off_n])
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
-            acc = acc + bias.to(tl.float32)[None, :]
-        if A_DESC:
-            c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
-        else:
-            tl.store(c_desc + offs_m[:, None] * N + offs_n[None, :],
-                     acc.to(c_desc.dtype.element_ty),
-                     mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+        _tile(a_desc, b_desc, c_desc, bias_ptr, M, N, K, stride_am, pid_m * BLOCK_M,
+              pid_n * BLOCK_N, BLOCK_M, BLOCK_N, BLOCK_K, B_IS_NK, A_DESC, HAS_BIAS, PRECISION)
+    if TAIL_M > 0:
+        # The grid's remaining tiles, each cut into SPLIT_M x SPLIT_N sub-tiles of TAIL_M x
+        # TAIL_N (descriptors a2/b2/c2 have those boxes): a last wave that would leave most
+        # programs idle is spread over all of them. Sub-tiles of one tile go to consecutive
+        # programs. Every element is still one program's one accumulator over the same K chain.
+        SPLIT_M: tl.constexpr = BLOCK_M // TAIL_M
+        SPLIT_N: tl.constexpr = BLOCK_N // TAIL_N
+        for t in tl.range(tl.program_id(0), tail_tiles, grid_size, flatten=True):
+            pid_m, pid_n = _tile_coords(num_tiles + t // (SPLIT_M * SPLIT_N), num_pid_m,
+                                        num_pid_n, GROUP_M)
+            sub = t % (SPLIT_M * SPLIT_N)
+            _tile(a2_desc, b2_desc, c2_desc, bias_ptr, M, N, K, stride_am,
+                  pid_m * BLOCK_M + (sub // SPLIT_N) * TAIL_M,
+                  pid_n * BLOCK_N + (sub % SPLIT_N) * TAIL_N, TAIL_M, TAIL_N, BLOCK_K, B_IS_NK,
+                  A_DESC, HAS_BIAS, PRECISION)
 
 
 @triton.jit
@@ -344,6 +384,34 @@ def _a_desc(m: int, cfg: TileConfig) -> bool:
     return m >= DESC_MIN_TILES * cfg.block_m
 
 
+def _operands(a: torch.Tensor, a_stride0: int, bt: torch.Tensor, b_is_nk: bool,
+              c: torch.Tensor, cfg: TileConfig, a_desc: bool) -> tuple:
+    """The kernel's A, B, C and tail A, B, C arguments: TMA descriptors with the tiles' boxes
+    (A and C plain tensors without a_desc); without a tail, the tail's are the main ones."""
+    (m, k), n = a.shape, c.shape[1]
+
+    def three(block_m: int, block_n: int) -> tuple:
+        b_block = [block_n, cfg.block_k] if b_is_nk else [cfg.block_k, block_n]
+        return (TensorDescriptor(a, [m, k], [a_stride0, 1], [block_m, cfg.block_k])
+                if a_desc else a,
+                TensorDescriptor(bt, list(bt.shape), [bt.stride(0), 1], b_block),
+                TensorDescriptor(c, [m, n], [n, 1], [block_m, block_n]) if a_desc else c)
+
+    main = three(cfg.block_m, cfg.block_n)
+    return (*main, *(three(cfg.tail_m, cfg.tail_n) if cfg.tail_m else main))
+
+
+def _waves(m: int, n: int, cfg: TileConfig, max_programs: int) -> tuple[int, int, int]:
+    """(tiles computed whole, programs, tail sub-tiles): the full waves of the persistent grid
+    take whole tiles; with a tail config the tiles after them are cut into sub-tiles."""
+    total = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    grid = min(total, max_programs)
+    full = total // grid * grid
+    if not cfg.tail_m or full == total:
+        return total, grid, 0
+    return full, grid, (total - full) * cfg.subtiles
+
+
 class _Launch:
     """One (weight, tile config, A path) on the fast path: the compiled kernel and every
     argument that depends only on the weight, the bias and the tile choice."""
@@ -353,25 +421,24 @@ class _Launch:
         m, k = a.shape
         n = bt.shape[0] if b_is_nk else bt.shape[1]
         c = a.new_empty((m, n))
-        b_block = [cfg.block_n, cfg.block_k] if b_is_nk else [cfg.block_k, cfg.block_n]
-        b_desc = TensorDescriptor(bt, list(bt.shape), [bt.stride(0), 1], b_block)
-        a_arg = TensorDescriptor(a, [m, k], [k, 1], [cfg.block_m, cfg.block_k]) if a_desc else a
-        c_arg = TensorDescriptor(c, [m, n], [n, 1], [cfg.block_m, cfg.block_n]) if a_desc else c
+        operands = _operands(a, k, bt, b_is_nk, c, cfg, a_desc)
         on = pdl.on(a)
         self.prefetch = _prefetches(a, b_is_nk)
         self.launcher = Launcher(
             _matmul_tma_kernel, (1,),
-            (a_arg, b_desc, c_arg, bias if bias is not None else c, m, n, k, k, 1, 1,
-             bt, bt.stride(0), 0, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, b_is_nk,
-             a_desc, bias is not None, "ieee" if a.dtype == torch.float32 else "tf32",
+            (*operands, bias if bias is not None else c, m, n, k, k, 1, 1, 0, bt, bt.stride(0),
+             0, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.tail_m, cfg.tail_n,
+             b_is_nk, a_desc, bias is not None, "ieee" if a.dtype == torch.float32 else "tf32",
              self.prefetch, cfg.num_warps * 32, on),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=on)
         self.weight_args = (bt.data_ptr(), bt.stride(0))
-        self.b_args = tuple(self.launcher.descriptor_arg(1 if a_desc else 0, b_desc))
-        self.encode_a = self.launcher.encoder(0) if a_desc else None
-        self.encode_c = self.launcher.encoder(2) if a_desc else None
-        self.block_m = cfg.block_m
-        self.n_tiles = triton.cdiv(n, cfg.block_n)
+        # Descriptor parameters in order: A, B, C, A2, B2, C2 (B and B2 only without a_desc).
+        first_b = 1 if a_desc else 0
+        self.b_args = tuple(self.launcher.descriptor_arg(first_b, operands[1]))
+        self.b2_args = tuple(self.launcher.descriptor_arg(first_b + (3 if a_desc else 1),
+                                                          operands[4]))
+        self.encoders = tuple(self.launcher.encoder(i) for i in (0, 2, 3, 5)) if a_desc else None
+        self.config = cfg
         self.max_programs = info.num_sms * cfg.ctas_per_sm
         # (A's address, C's address, M) -> the encoded A, B and C descriptor arguments. An
         # eager loop's activations come back at the same addresses from the caching
@@ -379,15 +446,19 @@ class _Launch:
         # function of address, shape and tile alone, so a reused address gets the same one.
         self.descriptors: dict[tuple[int, int, int], tuple] = {}
 
-    def descriptor_args(self, a_ptr: int, c_ptr: int, m: int, n: int, k: int) -> tuple:
+    def operand_args(self, a_ptr: int, c_ptr: int, m: int, n: int, k: int) -> tuple:
+        """The launcher's A, B, C, A2, B2, C2 arguments for this call's A and C."""
+        if self.encoders is None:  # A and C by plain pointers
+            return (a_ptr, *self.b_args, c_ptr, a_ptr, *self.b2_args, c_ptr)
         key = (a_ptr, c_ptr, m)
         args = self.descriptors.get(key)
         if args is None:
             if len(self.descriptors) >= _MAX_DESCRIPTORS:
                 self.descriptors.clear()
-            args = self.descriptors[key] = (*self.encode_a(a_ptr, [m, k], [k, 1]),
-                                            *self.b_args,
-                                            *self.encode_c(c_ptr, [m, n], [n, 1]))
+            enc_a, enc_c, enc_a2, enc_c2 = self.encoders
+            args = self.descriptors[key] = (
+                *enc_a(a_ptr, [m, k], [k, 1]), *self.b_args, *enc_c(c_ptr, [m, n], [n, 1]),
+                *enc_a2(a_ptr, [m, k], [k, 1]), *self.b2_args, *enc_c2(c_ptr, [m, n], [n, 1]))
         return args
 
 
@@ -424,12 +495,12 @@ class _Plan:
     __slots__ = ("launch", "grid", "tail")
 
     def __init__(self, launch: _Launch, m: int, n: int, k: int, element_size: int):
-        num_tiles = triton.cdiv(m, launch.block_m) * launch.n_tiles
+        whole, self.grid, sub = _waves(m, n, launch.config, launch.max_programs)
         self.launch = launch
-        self.grid = min(num_tiles, launch.max_programs)
         prefetch = prefetch_bytes(m, k, element_size) if launch.prefetch else 0
-        # M, N, K, stride_am, tiles, grid, the weight's rows, the bytes of each to prefetch
-        self.tail = (m, n, k, k, num_tiles, self.grid, *launch.weight_args, prefetch)
+        # M, N, K, stride_am, whole tiles, grid, tail sub-tiles, the weight's rows, the bytes of
+        # each to prefetch
+        self.tail = (m, n, k, k, whole, self.grid, sub, *launch.weight_args, prefetch)
 
 
 # (weight data_ptr, shape, strides, dtype, bias data_ptr) -> _Weight, or None where the fast
@@ -488,13 +559,9 @@ def _matmul_fast(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
     c = a.new_empty((m, weight.n))
     c_ptr = c.data_ptr()
     launch, n = plan.launch, weight.n
-    stream = raw_stream(weight.device)
-    if launch.encode_a is not None:  # A and C through TMA descriptors
-        launch.launcher(plan.grid, 1, 1, stream, *launch.descriptor_args(a_ptr, c_ptr, m, n, k),
-                        weight.bias_ptr or c_ptr, *plan.tail)
-    else:
-        launch.launcher(plan.grid, 1, 1, stream, a_ptr, *launch.b_args, c_ptr,
-                        weight.bias_ptr or c_ptr, *plan.tail)
+    launch.launcher(plan.grid, 1, 1, raw_stream(weight.device),
+                    *launch.operand_args(a_ptr, c_ptr, m, n, k), weight.bias_ptr or c_ptr,
+                    *plan.tail)
     return c
 
 
@@ -529,21 +596,17 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     launch = pdl.options(a)
     if use_tma:
         desc = _a_desc(m, cfg) if a_desc is None else a_desc
-        b_block = [cfg.block_n, cfg.block_k] if b_is_nk else [cfg.block_k, cfg.block_n]
-        b_arg = TensorDescriptor(bt, list(bt.shape), [bt.stride(0), 1], b_block)
-        a_arg = TensorDescriptor(a, [m, k], [a_stride0, 1], [cfg.block_m, cfg.block_k]) \
-            if desc else a
-        c_arg = TensorDescriptor(c, [m, n], [n, 1], [cfg.block_m, cfg.block_n]) if desc else c
-        num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-        grid = min(num_tiles, info.num_sms * cfg.ctas_per_sm)
+        whole, grid, sub = _waves(m, n, cfg, info.num_sms * cfg.ctas_per_sm)
         prefetch = _prefetches(a, b_is_nk)
         _matmul_tma_kernel[(grid,)](
-            a_arg, b_arg, c_arg, bias_arg, m, n, k, a_stride0, num_tiles, grid, bt, bt.stride(0),
+            *_operands(a, a_stride0, bt, b_is_nk, c, cfg, desc), bias_arg, m, n, k, a_stride0,
+            whole, grid, sub, bt, bt.stride(0),
             prefetch_bytes(m, k, a.element_size()) if prefetch else 0,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            B_IS_NK=b_is_nk, A_DESC=desc, HAS_BIAS=bias is not None, PRECISION=precision,
-            PREFETCH=prefetch, THREADS=cfg.num_warps * 32, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, **launch)
+            TAIL_M=cfg.tail_m, TAIL_N=cfg.tail_n, B_IS_NK=b_is_nk, A_DESC=desc,
+            HAS_BIAS=bias is not None, PRECISION=precision, PREFETCH=prefetch,
+            THREADS=cfg.num_warps * 32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **launch)
     else:
         stride_bk, stride_bn = (bt.stride(1), bt.stride(0)) if b_is_nk else bt.stride()
         grid = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)

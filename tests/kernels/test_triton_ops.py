@@ -102,6 +102,51 @@ def test_matmul_matches_reference_and_is_batch_invariant(dtype, b_layout):
     assert same_bits(mm_mod.matmul(a[20:21], b, bias), out[20:21])
 
 
+def _fixed_order_dot(monkeypatch):
+    """Under the interpreter: a tl.dot with one summation order per element (numpy's matmul
+    gives a row other bits depending on the tile around it; a GPU's MMA does not), on the
+    exact fp32 values of bf16 inputs."""
+    builder = interpreter.InterpreterBuilder
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        def values(h):
+            if h.dtype.scalar == tl.bfloat16:
+                return (h.data.astype(np.uint32) << 16).view(np.float32)
+            return h.data.astype(np.float32)
+        product = (values(a)[:, :, None] * values(b)[None, :, :]).sum(axis=1, dtype=np.float32)
+        return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
+
+    monkeypatch.setattr(builder, "create_dot", create_dot)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matmul_tail_subtiles_give_the_bits_of_whole_tiles(dtype, monkeypatch):
+    # 3 x 3 tiles of 32 x 32 on the interpreter's 4 "SMs": 8 whole (two full waves), the last
+    # one cut into four 16 x 16 sub-tiles spread over the programs; its lower half lies past M.
+    if not ON_GPU:
+        _fixed_order_dot(monkeypatch)
+    m, n, k = 70, 96, 64
+    a = _randn(m, k, dtype=dtype, seed=31)
+    w = _randn(n, k, dtype=dtype, seed=32)
+    bias = _randn(n, dtype=dtype, seed=33)
+    whole = mm_mod.TileConfig(32, 32, 4, 1, block_k=32)
+    tail = mm_mod.TileConfig(32, 32, 4, 1, block_k=32, tail_m=16, tail_n=16)
+    sms = mm_mod.device_info(torch.cuda.current_device() if ON_GPU else None).num_sms
+    assert mm_mod._waves(m, n, tail, sms)[2] > 0 or ON_GPU  # the tail path runs
+    ref = mm_mod.matmul(a, w.t(), bias, config=whole)
+    out = mm_mod.matmul(a, w.t(), bias, config=tail)
+    assert _rel_err(out, reference.matmul(a, w.t(), bias)) < TOL[dtype]
+    assert same_bits(out, ref)
+    for rows in (1, 33, 64, 69):
+        assert same_bits(mm_mod.matmul(a[:rows], w.t(), bias, config=tail), ref[:rows]), rows
+    if not ON_GPU and dtype == torch.float32:
+        # Control: the comparison sees a change of the K chain (16-wide dots summed into the
+        # accumulator instead of 32-wide ones; the GPU's k16 MMA chain is the same for both).
+        # fp32 output keeps the accumulator's bits; bf16 rounds such differences away here.
+        chunked = mm_mod.TileConfig(32, 32, 4, 1, block_k=16, tail_m=16, tail_n=16)
+        assert not same_bits(mm_mod.matmul(a, w.t(), bias, config=chunked), ref)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matmul_a_by_descriptor_or_by_pointer_gives_the_same_bits(dtype):
     # Below DESC_MIN_TILES row tiles A is read with masked loads (no padded copy), from there
