@@ -15,8 +15,10 @@ CONFIGS: list[TileConfig] = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 128, 4, 2)]
 SHIPPED = CONFIGS[0]
 # Decode launches (one query per sequence: GROUP useful rows of a tile) take their own rows per
 # program, warps and stages, with the BLOCK_N of the configuration in force: 16 rows (the MMA's
-# smallest) instead of 64, on H200 4.2 TB/s of K/V against 3.4 at 4096 tokens of context.
-DECODE: tuple[int, int, int] = (16, 2, 3)  # BLOCK_M, num_warps, num_stages
+# smallest) instead of 64, on H200 4.2 TB/s of K/V against 3.4 at 4096 tokens of context; two
+# stages rather than three: decode step 10.32 against 10.46 ms at 256 sequences, 5.24 against
+# 5.28 at 64 (contexts of 256; bench/results/decode-ab-h200-2026-12-02-stages.json).
+DECODE: tuple[int, int, int] = (16, 2, 2)  # BLOCK_M, num_warps, num_stages
 
 
 def config_name(config: TileConfig) -> str:
