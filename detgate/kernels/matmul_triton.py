@@ -99,11 +99,11 @@ PREFETCH_MAX_M = 64
 # to 2048, then every 256 / 512): `kernels_proof --tune-only --tune-m ...` with the tail configs
 # (kernels-tune-h200-2026-12-02-tails.json). Power-of-two buckets had hidden wave cliffs (o_proj
 # and down_proj at 1025-1536 rows on 128 x 256 tiles: 144-192 tiles on 132 SMs); tails win
-# 2-9% where a last wave of big tiles would leave most SMs idle (down_proj at 640-768 and
-# 1153-1280 rows, gate_up_proj at 1281-1408), and lose where sub-tiles run slower than the
-# idle SMs cost. 513-1024 rows keep the earlier tune's choices: the new ones, measured at the
-# buckets' upper bounds only, made the cost workload's mixed steps of 513-1024 tokens slower
-# (28.7 against 26.2 ms; a tail's worth depends on the exact tile count, not only the bucket).
+# 2-9% where a last wave of big tiles would leave most SMs idle (down_proj at 1153-1280 rows,
+# gate_up_proj at 1281-1408), and lose where sub-tiles run slower than the idle SMs cost.
+# 513-1024 rows keep the earlier tune's choices: the new ones, measured at the buckets' upper
+# bounds only, made the cost workload's mixed steps of 513-1024 tokens slower (28.7 against
+# 26.2 ms; a tail's worth depends on the exact tile count, not only the bucket).
 TUNED_16BIT: dict[tuple[int, int], tuple[tuple[int, str], ...]] = {
     # qkv at 225-256 rows: 96 tiles of 128 x 128 with six stages, 25.4 us in graphs at M = 256
     # against m64n256's 27.9 (m64n256 stays ahead up to 224).
