@@ -74,6 +74,14 @@ CONFIGS_16BIT = {
     "m64n32k128": TileConfig(64, 32, 4, 7, block_k=128),
     "m64n32k256": TileConfig(64, 32, 4, 4, block_k=256),
     "m64n16k256": TileConfig(64, 16, 4, 5, block_k=256),
+    # Around 256 rows (decode steps of a full batch: compute-bound, 1.4-3 waves of tiles):
+    # deeper K steps, more stages, two programs per SM.
+    "m128n128k128": TileConfig(128, 128, 8, 3, block_k=128),
+    "m128n128k128w4": TileConfig(128, 128, 4, 3, block_k=128),
+    "m128n128s5": TileConfig(128, 128, 8, 5),
+    "m64n128c2": TileConfig(64, 128, 4, 3, ctas_per_sm=2),
+    "m64n256s2c2": TileConfig(64, 256, 4, 2, ctas_per_sm=2),
+    "m128n64c2": TileConfig(128, 64, 4, 3, ctas_per_sm=2),
     # With a tail: the tiles after the full waves in halves or quarters.
     "m128n256t64": TileConfig(128, 256, 8, 3, tail_m=64, tail_n=256),
     "m128n256t64n128": TileConfig(128, 256, 8, 3, tail_m=64, tail_n=128),
