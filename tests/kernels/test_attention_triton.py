@@ -154,6 +154,21 @@ def test_decode_launch_equals_the_general_launch(impl):
     assert same_bits(step(world, decodes[2:3], impl)[0], general[2])
 
 
+def test_negative_control_decode_launch_with_other_position_chunks_differs(monkeypatch):
+    """The comparison above can fail: a decode launch whose online softmax takes its positions
+    in chunks of another size (BLOCK_N, which decode shares with prefill to keep the bits)
+    gives the longer sequences other bits than the general launch."""
+    lens = [45, 3, 70, 17, 1, 64]
+    world = make_world(lens, 4, 2, 16, 16, torch.float32, DEVICE, seed=6)
+    prefill(world, list(range(len(lens))), impl=FUSED)
+    decodes = [(i, n - 1, n) for i, n in enumerate(lens)]
+    general = step(world, decodes, FUSED)
+    monkeypatch.setattr(at, "BLOCK_N", at.BLOCK_N * 2)
+    other = step(world, decodes, DECODE_FUSED)
+    differing = [i for i in range(len(lens)) if not same_bits(other[i], general[i])]
+    assert differing and all(lens[i] > at.BLOCK_N // 2 for i in differing), differing
+
+
 def test_decode_launch_refuses_more_queries_than_sequences():
     world = make_world([20], 4, 2, 16, 16, torch.float32, DEVICE)
     q = torch.randn(2, 4, 16, device=DEVICE)
