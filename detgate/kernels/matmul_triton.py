@@ -6,7 +6,10 @@ k: wgmma k16 steps for bf16/fp16 on Hopper (mma k16 before it), FMA steps for fp
 as IEEE fp32, never TF32. There is no split-K and no stream-K. The tile shape (`TileConfig`)
 may follow the problem's shape because it decides only which program computes an element and
 how many k16 steps one loop iteration issues (BLOCK_K), never the order of those steps: the
-per-element chain is the same for every config of a dtype. That this holds on the hardware is
+per-element chain is the same for every config of a dtype. A config's tail (the tiles after
+the persistent grid's full waves, computed as smaller sub-tiles) is one more choice of which
+program computes an element, and a weight prefetch before the PDL wait only moves bytes into
+L2 earlier. That this holds on the hardware is
 checked bitwise, every config against every other on every projection shape, and over
 M = 1..8192 with the dispatch in force (tests/kernels/test_gpu_ops.py,
 detgate/bench/kernels_proof.py).
