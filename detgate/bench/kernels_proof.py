@@ -15,7 +15,8 @@ Phases:
    bucket as kernels.matmul_triton.TUNED_16BIT for the rest of the run (printed, to be
    committed); a config replaces the one in force only when it is STICKY faster, and Ms in a
    row with the same choice make one bucket. --tune-m / --tune-shapes pick the (shape, M)
-   grid (the mixed steps' token buckets, say), --tune-only stops after it;
+   grid (the mixed steps' token buckets, say), --tune-spread N times N sizes spread over each
+   bucket instead of its bound alone, --tune-only stops after it;
 4. the benchmark (`detgate.bench.kernels_gpu.run_all`);
 5. invariance sweeps with the dispatch in force: M = 1..8192 on every projection (lm_head:
    1..1024, then every 7th M), fp16/fp32 spot sweeps, rms_norm / log_softmax rows, and the
@@ -117,9 +118,38 @@ def cross_config_bits() -> dict:
 STICKY = 0.98
 
 
-def explore(shapes: list[str] | None = None, m_values: tuple[int, ...] = bench.M_VALUES
-            ) -> dict:
-    """Time every candidate config on every (shape, M); returns the per-shape tuned table."""
+def bucket_samples(m_values: tuple[int, ...], spread: int) -> list[tuple[int, list[int]]]:
+    """(bucket upper bound, the Ms timed for it): the bound alone, or with spread > 1 that many
+    sizes spaced evenly over the bucket (previous bound, bound], the bound last. A tile choice's
+    worth can change inside a bucket (a tail's with the exact tile count), so a choice timed
+    at the bound alone may not hold for the sizes below it."""
+    buckets, prev = [], 0
+    for m in m_values:
+        sizes = {prev + max(1, round((m - prev) * (i + 1) / spread)) for i in range(spread)}
+        buckets.append((m, sorted(sizes)))
+        prev = m
+    return buckets
+
+
+def _candidate_ms(n: int, k: int, m: int, weights: list) -> dict[str, float]:
+    """ms per call of torch and of every candidate config at one (shape, M)."""
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    inputs = [(a, w.t()) for w in weights]
+    row = {"torch": graph_ms(lambda i, inp=inputs: torch.mm(*inp[i]), len(inputs), m * n * 2)}
+    for cname, cfg in mm.CONFIGS_16BIT.items():
+        if cname in BIT_DIFFERENT or (cfg.block_m == 64 and m > 256 and
+                                      (cfg.block_n <= 64 or cfg.block_k > 64)):
+            continue  # decode tiles only pay off while the weights dominate
+        row[cname] = graph_ms(lambda i, inp=inputs, cfg=cfg: mm.matmul(*inp[i], config=cfg),
+                              len(inputs), m * n * 2)
+    return row
+
+
+def explore(shapes: list[str] | None = None, m_values: tuple[int, ...] = bench.M_VALUES,
+            spread: int = 1) -> dict:
+    """Time every candidate config on every (shape, M bucket); returns the per-shape tuned
+    table. With spread > 1 a bucket's figure per config is its mean over `spread` sizes in the
+    bucket (`bucket_samples`)."""
     info = mm.device_info(torch.cuda.current_device())
     timings, table = {}, {}
     for name, (n, k) in bench.MATMUL_SHAPES.items():
@@ -127,29 +157,23 @@ def explore(shapes: list[str] | None = None, m_values: tuple[int, ...] = bench.M
             continue
         weights = bench.matmul_weights(n, k)
         entries = []
-        for m in m_values:
-            a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            inputs = [(a, w.t()) for w in weights]
-            row = {"torch": graph_ms(lambda i, inp=inputs: torch.mm(*inp[i]),
-                                     len(inputs), m * n * 2)}
-            for cname, cfg in mm.CONFIGS_16BIT.items():
-                if cname in BIT_DIFFERENT or (cfg.block_m == 64 and m > 256 and
-                                              (cfg.block_n <= 64 or cfg.block_k > 64)):
-                    continue  # decode tiles only pay off while the weights dominate
-                row[cname] = graph_ms(
-                    lambda i, inp=inputs, cfg=cfg: mm.matmul(*inp[i], config=cfg),
-                    len(inputs), m * n * 2)
+        for m, sizes in bucket_samples(m_values, spread):
+            rows = [_candidate_ms(n, k, size, weights) for size in sizes]
+            row = {c: sum(r[c] for r in rows) / len(rows)
+                   for c in rows[0] if all(c in r for r in rows)}
             best = min((v, c) for c, v in row.items() if c != "torch")
             default = bench.matmul_config_name(mm.pick_config(m, n, k, torch.bfloat16, info))
             if default in row and row[default] <= best[0] / STICKY:
                 best = (row[default], default)
-            timings[f"{name} M={m}"] = row
+            timings[f"{name} M={m}"] = row if len(sizes) == 1 else \
+                {**row, "sizes": sizes, "per_size": rows}
             if entries and entries[-1][1] == best[1]:
                 entries.pop()  # one bucket up to this M
             entries.append((m, best[1]))
             log(f"explore {name:<13} M={m:<5} torch {row['torch']:.4f} ms  best {best[1]} "
                 f"{best[0]:.4f} ms ({row['torch'] / best[0]:.2f}x)  default {default} "
-                f"({row['torch'] / row.get(default, float('nan')):.2f}x)")
+                f"({row['torch'] / row.get(default, float('nan')):.2f}x)"
+                + (f"  over M = {sizes}" if len(sizes) > 1 else ""))
         del weights
         torch.cuda.empty_cache()
         table[(n, k)] = tuple(entries)
@@ -225,6 +249,8 @@ def main() -> None:
     parser.add_argument("--tune-shapes", default=None,
                         help="comma-separated shapes for --tune (" + ", ".join(bench.MATMUL_SHAPES)
                         + ")")
+    parser.add_argument("--tune-spread", type=int, default=1,
+                        help="sizes timed per M bucket for --tune (evenly spaced, the bound last)")
     parser.add_argument("--tune-only", action="store_true",
                         help="--tune, then stop (no benchmark, sweeps or tests)")
     parser.add_argument("--deadline", type=float, default=360.0,
@@ -240,7 +266,7 @@ def main() -> None:
     if args.tune or args.tune_only:
         shapes = args.tune_shapes.split(",") if args.tune_shapes else None
         ms = tuple(int(m) for m in args.tune_m.split(",")) if args.tune_m else bench.M_VALUES
-        phase("explore", lambda: explore(shapes, ms), out, args.deadline)
+        phase("explore", lambda: explore(shapes, ms, args.tune_spread), out, args.deadline)
         log("TUNED_16BIT =", RESULT["explore"].get("table"))
         if args.tune_only:
             return
