@@ -22,9 +22,7 @@ if not ON_GPU:
 
 from importlib import import_module  # noqa: E402
 
-import numpy as np  # noqa: E402
-from triton.runtime import interpreter  # noqa: E402
-
+from tests.kernels.interpreter_dot import fixed_order_dot  # noqa: E402
 from tests.kernels.paged_cases import (  # noqa: E402
     Impl,
     chunked_prefill,
@@ -56,24 +54,13 @@ DECODE_SPLIT = Impl(store_kv=at.store_kv, paged_attention=functools.partial(
 
 @pytest.fixture(autouse=True, scope="module")
 def _interpreter_fixed_order_dot():
-    """The interpreter's tl.dot is numpy's matmul (OpenBLAS), which gives a row other bits
-    depending on where it sits in the tile; a GPU's MMA does not (the GPU tests check that).
-    Give the interpreter a product with one summation order per element, so these tests check
-    the kernel's own reduction order: tiles, splits, masks and merges."""
+    """Under the interpreter, a product with one summation order per element
+    (tests/kernels/interpreter_dot.py), so these tests check the kernel's own order."""
     if ON_GPU:
         yield
         return
-    builder = interpreter.InterpreterBuilder
-    original = builder.create_dot
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        a32, b32 = a.data.astype(np.float32), b.data.astype(np.float32)
-        product = (a32[:, :, None] * b32[None, :, :]).sum(axis=1, dtype=np.float32)
-        return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
-
-    builder.create_dot = create_dot
-    yield
-    builder.create_dot = original
+    with fixed_order_dot():
+        yield
 
 
 @pytest.fixture(autouse=True)

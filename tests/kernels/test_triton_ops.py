@@ -8,6 +8,7 @@ same row computed alone.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -26,6 +27,7 @@ from detgate.kernels import matmul_triton as mm_mod  # noqa: E402
 from detgate.kernels import reference  # noqa: E402
 from detgate.kernels import rmsnorm_triton as rn_mod  # noqa: E402
 from detgate.kernels.bits import same_bits  # noqa: E402
+from tests.kernels.interpreter_dot import fixed_order_dot  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -102,29 +104,16 @@ def test_matmul_matches_reference_and_is_batch_invariant(dtype, b_layout):
     assert same_bits(mm_mod.matmul(a[20:21], b, bias), out[20:21])
 
 
-def _fixed_order_dot(monkeypatch):
-    """Under the interpreter: a tl.dot with one summation order per element (numpy's matmul
-    gives a row other bits depending on the tile around it; a GPU's MMA does not), on the
-    exact fp32 values of bf16 inputs."""
-    builder = interpreter.InterpreterBuilder
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        def values(h):
-            if h.dtype.scalar == tl.bfloat16:
-                return (h.data.astype(np.uint32) << 16).view(np.float32)
-            return h.data.astype(np.float32)
-        product = (values(a)[:, :, None] * values(b)[None, :, :]).sum(axis=1, dtype=np.float32)
-        return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
-
-    monkeypatch.setattr(builder, "create_dot", create_dot)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matmul_tail_subtiles_give_the_bits_of_whole_tiles(dtype, monkeypatch):
+def test_matmul_tail_subtiles_give_the_bits_of_whole_tiles(dtype):
     # 3 x 3 tiles of 32 x 32 on the interpreter's 4 "SMs": 8 whole (two full waves), the last
     # one cut into four 16 x 16 sub-tiles spread over the programs; its lower half lies past M.
-    if not ON_GPU:
-        _fixed_order_dot(monkeypatch)
+    # Under the interpreter with a fixed-order dot (numpy's would differ by tile shape alone).
+    with contextlib.nullcontext() if ON_GPU else fixed_order_dot():
+        _check_tail_subtiles(dtype)
+
+
+def _check_tail_subtiles(dtype):
     m, n, k = 70, 96, 64
     a = _randn(m, k, dtype=dtype, seed=31)
     w = _randn(n, k, dtype=dtype, seed=32)
