@@ -94,7 +94,8 @@ def main() -> int:
                    "more decode variants")
     args = p.parse_args()
     variants = dict(VARIANTS)
-    prefetch = {name: matmul_triton.PREFETCH_ROW_BYTES for name in variants}
+    shipped_prefetch = matmul_triton.PREFETCH_ROW_BYTES
+    prefetch: dict[str, int] = {}  # variant -> matmul weight prefetch bytes, if not shipped's
     for value in filter(None, args.prefetch.split(",")):
         name = f"decode_pf{int(value)}"
         variants[name], prefetch[name] = VARIANTS["decode"], int(value)
@@ -104,7 +105,6 @@ def main() -> int:
         if len(config) != 4 or config_name(config) != name:
             p.error(f"--tiles: {name!r} is not m<BLOCK_M>n<BLOCK_N>w<warps>s<stages>")
         variants[f"decode_{name}"] = (True, config)
-        prefetch[f"decode_{name}"] = matmul_triton.PREFETCH_ROW_BYTES
         args.variants += f",decode_{name}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -125,8 +125,9 @@ def main() -> int:
             at.DECODE_TILE = tiles is not None
             rows, at.BLOCK_N, warps, stages = tiles or DECODE_SHIPPED
             at.DECODE_BLOCK_M, at.DECODE_NUM_WARPS, at.DECODE_NUM_STAGES = rows, warps, stages
-            if prefetch[name] != matmul_triton.PREFETCH_ROW_BYTES:
-                matmul_triton.PREFETCH_ROW_BYTES = prefetch[name]
+            row_bytes = prefetch.get(name, shipped_prefetch)
+            if row_bytes != matmul_triton.PREFETCH_ROW_BYTES:
+                matmul_triton.PREFETCH_ROW_BYTES = row_bytes
                 matmul_triton.clear_caches()  # the plans keep the prefetch bytes
             for b in BATCHES:
                 runs[name][b].append(time_variant(runner, b, args.context, decode, args.reps))
@@ -138,8 +139,8 @@ def main() -> int:
         print(f"{n:22s}", " ".join(f"{median[n][b]:8.3f}" for b in BATCHES))
     result = {"environment": environment("cuda"), "args": vars(args),
               "variants": {n: variants[n] for n in names},
-              "prefetch_row_bytes": {n: prefetch[n] for n in names}, "median_ms": median,
-              "runs": runs,
+              "prefetch_row_bytes": {n: prefetch.get(n, shipped_prefetch) for n in names},
+              "median_ms": median, "runs": runs,
               "timing": "CUDA graph of one decode step (layers, lm_head, log_softmax) per "
                         "variant and batch, replayed reps times between CUDA events",
               "seconds": round(time.time() - start, 1)}

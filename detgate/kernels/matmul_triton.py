@@ -364,12 +364,13 @@ def clear_caches() -> None:
     _WEIGHTS.clear()
 
 
-def prefetch_bytes(m: int, k: int, element_size: int) -> int:
-    """Bytes of each weight row a program asks L2 for before its PDL wait: PREFETCH_ROW_BYTES,
-    at most the row, a multiple of 16 (the bulk prefetch's unit); 0 above PREFETCH_MAX_M rows."""
+def prefetch_bytes(m: int, row_bytes: int) -> int:
+    """Bytes of each weight row (row_bytes long) a program asks L2 for before its PDL wait:
+    PREFETCH_ROW_BYTES, at most the row, a multiple of 16 (the bulk prefetch's unit); 0 above
+    PREFETCH_MAX_M rows."""
     if m > PREFETCH_MAX_M:
         return 0
-    return min(k * element_size, PREFETCH_ROW_BYTES) // 16 * 16
+    return min(row_bytes, PREFETCH_ROW_BYTES) // 16 * 16
 
 
 def _prefetches(a: torch.Tensor, b_is_nk: bool) -> bool:
@@ -449,6 +450,7 @@ class _Launch:
              self.prefetch, cfg.num_warps * 32, on),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=on)
         self.weight_args = (bt.data_ptr(), bt.stride(0))
+        self.row_bytes = k * bt.element_size()
         # Descriptor parameters in order: A, B, C, A2, B2, C2 (B and B2 only without a_desc).
         first_b = 1 if a_desc else 0
         self.b_args = tuple(self.launcher.descriptor_arg(first_b, operands[1]))
@@ -501,7 +503,7 @@ class _Weight:
         if launch is None:
             launch = _Launch(a, bt, self.b_is_nk, bias, cfg, key[1], self.info)
             self.by_config[key] = launch
-        plan = self.by_m[m] = _Plan(launch, m, self.n, self.k, bt.element_size())
+        plan = self.by_m[m] = _Plan(launch, m, self.n, self.k)
         return plan
 
 
@@ -511,10 +513,10 @@ class _Plan:
 
     __slots__ = ("launch", "grid", "tail")
 
-    def __init__(self, launch: _Launch, m: int, n: int, k: int, element_size: int):
+    def __init__(self, launch: _Launch, m: int, n: int, k: int):
         whole, self.grid, sub = _waves(m, n, launch.config, launch.max_programs)
         self.launch = launch
-        prefetch = prefetch_bytes(m, k, element_size) if launch.prefetch else 0
+        prefetch = prefetch_bytes(m, launch.row_bytes) if launch.prefetch else 0
         # M, N, K, stride_am, whole tiles, grid, tail sub-tiles, the weight's rows, the bytes of
         # each to prefetch
         self.tail = (m, n, k, k, whole, self.grid, sub, *launch.weight_args, prefetch)
@@ -618,7 +620,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         _matmul_tma_kernel[(grid,)](
             *_operands(a, a_stride0, bt, b_is_nk, c, cfg, desc), bias_arg, m, n, k, a_stride0,
             whole, grid, sub, bt, bt.stride(0),
-            prefetch_bytes(m, k, a.element_size()) if prefetch else 0,
+            prefetch_bytes(m, k * a.element_size()) if prefetch else 0,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             TAIL_M=cfg.tail_m, TAIL_N=cfg.tail_n, B_IS_NK=b_is_nk, A_DESC=desc,
             HAS_BIAS=bias is not None, PRECISION=precision, PREFETCH=prefetch,
