@@ -11,7 +11,9 @@ i = sequence i) with the prefill's 64-row tiles (`decode_rows64`) and with its o
 (`decode`, kernels/attention_tiles.py DECODE), picked through the step's max_query_len as the
 engine picks it; `--tiles m16n64w4s3,...` adds decode launches with other tiles (rows, BLOCK_N,
 warps, stages); `--prefetch 0,2048,...` adds the decode variant with each matmul weight
-prefetch (bytes per weight row, kernels/matmul_triton.py PREFETCH_ROW_BYTES; 0: none). Writes
+prefetch (bytes per weight row, kernels/matmul_triton.py PREFETCH_ROW_BYTES; 0: none);
+`--unfused-swiglu` adds the decode variant with SwiGLU's matmul and silu-and-mul as two
+launches (worker/model/ops.py BatchInvariantOps.fuse_swiglu). Writes
 OUT_DIR/decode-ab.json (median ms per variant and batch, every round's).
 """
 
@@ -33,6 +35,7 @@ from detgate.worker.engine.config import EngineConfig
 from detgate.worker.engine.cuda_graphs import capture_graph
 from detgate.worker.engine.engine import Engine
 from detgate.worker.model.attention_metadata import AttentionMetadata
+from detgate.worker.model.ops import BatchInvariantOps
 from detgate.worker.tools.random_model import load_random
 
 # name -> (whether the step's attention takes the decode launch, the decode tiles: rows, BLOCK_N,
@@ -92,8 +95,14 @@ def main() -> int:
     p.add_argument("--tiles", default="", help="tile configs for more decode variants")
     p.add_argument("--prefetch", default="", help="matmul weight prefetch bytes per row, for "
                    "more decode variants")
+    p.add_argument("--unfused-swiglu", action="store_true",
+                   help="add the decode variant with SwiGLU in two launches")
     args = p.parse_args()
     variants = dict(VARIANTS)
+    unfused = {"decode_unfused_swiglu"} if args.unfused_swiglu else set()
+    for name in unfused:
+        variants[name] = VARIANTS["decode"]
+        args.variants += f",{name}"
     shipped_prefetch = matmul_triton.PREFETCH_ROW_BYTES
     prefetch: dict[str, int] = {}  # variant -> matmul weight prefetch bytes, if not shipped's
     for value in filter(None, args.prefetch.split(",")):
@@ -125,6 +134,7 @@ def main() -> int:
             at.DECODE_TILE = tiles is not None
             rows, at.BLOCK_N, warps, stages = tiles or DECODE_SHIPPED
             at.DECODE_BLOCK_M, at.DECODE_NUM_WARPS, at.DECODE_NUM_STAGES = rows, warps, stages
+            BatchInvariantOps.fuse_swiglu = name not in unfused
             row_bytes = prefetch.get(name, shipped_prefetch)
             if row_bytes != matmul_triton.PREFETCH_ROW_BYTES:
                 matmul_triton.PREFETCH_ROW_BYTES = row_bytes
@@ -140,6 +150,7 @@ def main() -> int:
     result = {"environment": environment("cuda"), "args": vars(args),
               "variants": {n: variants[n] for n in names},
               "prefetch_row_bytes": {n: prefetch.get(n, shipped_prefetch) for n in names},
+              "fused_swiglu": {n: n not in unfused for n in names},
               "median_ms": median, "runs": runs,
               "timing": "CUDA graph of one decode step (layers, lm_head, log_softmax) per "
                         "variant and batch, replayed reps times between CUDA events",
