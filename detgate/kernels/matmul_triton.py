@@ -34,7 +34,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from detgate.kernels import pdl
-from detgate.kernels.activation_triton import silu_mul, silu_and_mul
+from detgate.kernels.activation_triton import silu_and_mul, silu_mul
 from detgate.kernels.triton_launch import Launcher, Unsupported, raw_stream
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
