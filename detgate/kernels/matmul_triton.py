@@ -243,9 +243,11 @@ def _prefetch_rows(first_row, rows, row_stride, nbytes, BLOCK_N: tl.constexpr,
 @triton.jit
 def _b_tile(b_desc, off_n, k, B_IS_NK: tl.constexpr):
     """B's [BLOCK_K, BLOCK_N] tile at (k, off_n) of B = W^T, from W [N, K] or from B [K, N]."""
-    if B_IS_NK:
-        return b_desc.load([off_n, k]).T
-    return b_desc.load([k, off_n])
+    if B_IS_NK:  # noqa: SIM108 (compile time: one branch is compiled, one type returned)
+        b = b_desc.load([off_n, k]).T
+    else:
+        b = b_desc.load([k, off_n])
+    return b
 
 
 @triton.jit
