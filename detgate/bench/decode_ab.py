@@ -13,7 +13,9 @@ engine picks it; `--tiles m16n64w4s3,...` adds decode launches with other tiles 
 warps, stages); `--prefetch 0,2048,...` adds the decode variant with each matmul weight
 prefetch (bytes per weight row, kernels/matmul_triton.py PREFETCH_ROW_BYTES; 0: none);
 `--unfused-swiglu` adds the decode variant with SwiGLU's matmul and silu-and-mul as two
-launches (worker/model/ops.py BatchInvariantOps.fuse_swiglu). Writes
+launches (worker/model/ops.py BatchInvariantOps.fuse_swiglu); `--heads-first` adds the decode
+variant whose attention programs start KV heads first (kernels/attention_triton.py
+HEADS_FIRST, flipped). Writes
 OUT_DIR/decode-ab.json (median ms per variant and batch, every round's).
 """
 
@@ -97,10 +99,14 @@ def main() -> int:
                    "more decode variants")
     p.add_argument("--unfused-swiglu", action="store_true",
                    help="add the decode variant with SwiGLU in two launches")
+    p.add_argument("--heads-first", action="store_true",
+                   help="add the decode variant with the other attention launch order")
     args = p.parse_args()
     variants = dict(VARIANTS)
     unfused = {"decode_unfused_swiglu"} if args.unfused_swiglu else set()
-    for name in unfused:
+    flipped = {"decode_order_flipped"} if args.heads_first else set()
+    shipped_order = attention_triton.HEADS_FIRST
+    for name in unfused | flipped:
         variants[name] = VARIANTS["decode"]
         args.variants += f",{name}"
     shipped_prefetch = matmul_triton.PREFETCH_ROW_BYTES
@@ -135,6 +141,7 @@ def main() -> int:
             rows, at.BLOCK_N, warps, stages = tiles or DECODE_SHIPPED
             at.DECODE_BLOCK_M, at.DECODE_NUM_WARPS, at.DECODE_NUM_STAGES = rows, warps, stages
             BatchInvariantOps.fuse_swiglu = name not in unfused
+            at.HEADS_FIRST = shipped_order != (name in flipped)
             row_bytes = prefetch.get(name, shipped_prefetch)
             if row_bytes != matmul_triton.PREFETCH_ROW_BYTES:
                 matmul_triton.PREFETCH_ROW_BYTES = row_bytes
@@ -151,6 +158,7 @@ def main() -> int:
               "variants": {n: variants[n] for n in names},
               "prefetch_row_bytes": {n: prefetch.get(n, shipped_prefetch) for n in names},
               "fused_swiglu": {n: n not in unfused for n in names},
+              "attention_heads_first": {n: shipped_order != (n in flipped) for n in names},
               "median_ms": median, "runs": runs,
               "timing": "CUDA graph of one decode step (layers, lm_head, log_softmax) per "
                         "variant and batch, replayed reps times between CUDA events",

@@ -50,6 +50,10 @@ DECODE_TILE = os.environ.get("DETGATE_DECODE_TILE", "1") != "0"
 # Columns of the ones that p is multiplied by for its row sum: the MMA's smallest N.
 ROW_SUM_COLUMNS = tl.constexpr(16)
 KV_SPLIT = 1024  # KV positions per split: a multiple of BLOCK_N
+# Launch order: a query block's KV heads one after the other (their K/V rows of a position lie
+# side by side in the cache), or a KV head's query blocks. Which program computes what, and
+# so every bit, is the same either way.
+HEADS_FIRST = False
 COMBINE_HEADS = 2  # heads x head-dim slice per combine program: spread the merge loops wide
 COMBINE_DIMS = 64
 _LOG2E = 1.4426950408889634
@@ -153,11 +157,16 @@ def _attn_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, qsl_ptr, 
                  qk_scale, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, KV_SPLIT: tl.constexpr, SPLIT_PROGRAMS: tl.constexpr,
-                 DECODE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+                 DECODE: tl.constexpr, HEADS_FIRST: tl.constexpr, PRECISION: tl.constexpr,
+                 PDL: tl.constexpr):
     pdl.enter(PDL)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
-    pid = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_FIRST:  # grid (KV heads, query blocks): only the order programs start in changes
+        kv_head = tl.program_id(0)
+        pid = tl.program_id(1)
+    else:
+        pid = tl.program_id(0)
+        kv_head = tl.program_id(1)
     # DECODE: program i is sequence i, its query (if it has one) in rows 0..GROUP-1 as below.
     seq = pid if DECODE else _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q, True)
     q_begin = tl.load(qsl_ptr + seq)
@@ -300,19 +309,22 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     qsl = query_start_loc.to(torch.int32)
     lens = seq_lens.to(torch.int32)
     tables = block_tables.to(torch.int32)
+    heads_first = HEADS_FIRST and q_blocks < 65536  # the grid's y limit
+    blocks_heads = (hkv, q_blocks) if heads_first else (q_blocks, hkv)
     if split_programs:
         ws_ml = torch.empty(num_tokens, hq, max_splits, 2, device=q.device, dtype=torch.float32)
         ws_acc = torch.empty(num_tokens, hq, max_splits, d, device=q.device, dtype=torch.float32)
-        grid = (q_blocks, hkv, max_splits)
+        grid = (*blocks_heads, max_splits)
     else:
         ws_ml = ws_acc = out  # unused
-        grid = (q_blocks, hkv)
+        grid = blocks_heads
     _attn_kernel[grid](q, k_cache, v_cache, out, tables, qsl, lens, ws_ml, ws_acc, num_seqs,
                        q.stride(0), q.stride(1), out.stride(0), out.stride(1), tables.stride(0),
                        k_cache.stride(1), k_cache.stride(2), hq * max_splits, max_splits,
                        scale * _LOG2E, BLOCK_SIZE=block_size, HEAD_DIM=d, GROUP=group,
                        GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_N=BLOCK_N, KV_SPLIT=KV_SPLIT,
-                       SPLIT_PROGRAMS=split_programs, DECODE=decode, PRECISION=precision,
+                       SPLIT_PROGRAMS=split_programs, DECODE=decode, HEADS_FIRST=heads_first,
+                       PRECISION=precision,
                        num_warps=warps, num_stages=stages, enable_fp_fusion=False, **launch)
     if split_programs:
         heads, dims = min(COMBINE_HEADS, hq), min(COMBINE_DIMS, d)
