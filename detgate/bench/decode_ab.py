@@ -15,7 +15,8 @@ prefetch (bytes per weight row, kernels/matmul_triton.py PREFETCH_ROW_BYTES; 0: 
 `--unfused-swiglu` adds the decode variant with SwiGLU's matmul and silu-and-mul as two
 launches (worker/model/ops.py BatchInvariantOps.fuse_swiglu); `--heads-first` adds the decode
 variant whose attention programs start KV heads first (kernels/attention_triton.py
-HEADS_FIRST, flipped). Writes
+HEADS_FIRST, flipped); `--table FILE` adds the decode variant with the matmul tile table of a
+`kernels_proof --tune` run (its gpu_kernels.json) merged over the shipped one. Writes
 OUT_DIR/decode-ab.json (median ms per variant and batch, every round's).
 """
 
@@ -85,6 +86,18 @@ def time_variant(runner, batch: int, context: int, decode: bool, reps: int) -> f
     return start.elapsed_time(end) / reps
 
 
+def tuned_table(shipped: dict, path: str) -> dict:
+    """The shipped TUNED_16BIT with a kernels_proof --tune run's entries: its buckets up to
+    the last M it timed, the shipped ones above."""
+    tuned = json.loads(Path(path).read_text())["explore"]["table"]
+    table = dict(shipped)
+    for key, entries in tuned.items():
+        n, k = (int(x) for x in key.split(","))
+        new = [(int(m), str(c)) for m, c in entries]
+        table[(n, k)] = (*new, *((m, c) for m, c in shipped.get((n, k), ()) if m > new[-1][0]))
+    return table
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -101,12 +114,16 @@ def main() -> int:
                    help="add the decode variant with SwiGLU in two launches")
     p.add_argument("--heads-first", action="store_true",
                    help="add the decode variant with the other attention launch order")
+    p.add_argument("--table", default="", help="kernels_proof's gpu_kernels.json: add the "
+                   "decode variant with its tuned matmul table")
     args = p.parse_args()
     variants = dict(VARIANTS)
     unfused = {"decode_unfused_swiglu"} if args.unfused_swiglu else set()
     flipped = {"decode_order_flipped"} if args.heads_first else set()
     shipped_order = attention_triton.HEADS_FIRST
-    for name in unfused | flipped:
+    shipped_table = dict(matmul_triton.TUNED_16BIT)
+    tables = {"decode_table": tuned_table(shipped_table, args.table)} if args.table else {}
+    for name in unfused | flipped | set(tables):
         variants[name] = VARIANTS["decode"]
         args.variants += f",{name}"
     shipped_prefetch = matmul_triton.PREFETCH_ROW_BYTES
@@ -142,6 +159,11 @@ def main() -> int:
             at.DECODE_BLOCK_M, at.DECODE_NUM_WARPS, at.DECODE_NUM_STAGES = rows, warps, stages
             BatchInvariantOps.fuse_swiglu = name not in unfused
             at.HEADS_FIRST = shipped_order != (name in flipped)
+            table = tables.get(name, shipped_table)
+            if table != matmul_triton.TUNED_16BIT:
+                matmul_triton.TUNED_16BIT.clear()
+                matmul_triton.TUNED_16BIT.update(table)
+                matmul_triton.clear_caches()  # the plans keep their tile choice
             row_bytes = prefetch.get(name, shipped_prefetch)
             if row_bytes != matmul_triton.PREFETCH_ROW_BYTES:
                 matmul_triton.PREFETCH_ROW_BYTES = row_bytes
@@ -159,6 +181,8 @@ def main() -> int:
               "prefetch_row_bytes": {n: prefetch.get(n, shipped_prefetch) for n in names},
               "fused_swiglu": {n: n not in unfused for n in names},
               "attention_heads_first": {n: shipped_order != (n in flipped) for n in names},
+              "matmul_tables": {n: {f"{nk[0]},{nk[1]}": v for nk, v in t.items()}
+                                for n, t in tables.items()},
               "median_ms": median, "runs": runs,
               "timing": "CUDA graph of one decode step (layers, lm_head, log_softmax) per "
                         "variant and batch, replayed reps times between CUDA events",

@@ -88,6 +88,13 @@ CONFIGS_16BIT = {
     "m64n128c2": TileConfig(64, 128, 4, 3, ctas_per_sm=2),
     "m64n256s2c2": TileConfig(64, 256, 4, 2, ctas_per_sm=2),
     "m128n64c2": TileConfig(128, 64, 4, 3, ctas_per_sm=2),
+    # 16 rows (a few decoding sequences): mma.sync tiles (wgmma's smallest M is 64), whose A
+    # tiles take a quarter of the shared memory: two programs fit an SM, so a launch can start
+    # beside its predecessor's last tiles under PDL.
+    "m16n64k128": TileConfig(16, 64, 4, 5, block_k=128),
+    "m16n32k256": TileConfig(16, 32, 4, 4, block_k=256),
+    "m16n128k128": TileConfig(16, 128, 4, 3, block_k=128),
+    "m16n64k128c2": TileConfig(16, 64, 4, 5, block_k=128, ctas_per_sm=2),
     # With a tail: the tiles after the full waves in halves or quarters.
     "m128n256t64": TileConfig(128, 256, 8, 3, tail_m=64, tail_n=256),
     "m128n256t64n128": TileConfig(128, 256, 8, 3, tail_m=64, tail_n=128),
