@@ -106,9 +106,13 @@ def test_workers_join_and_leave_with_dns(gw, dns_server, port_and_workers):
              + gw.metric("detgate_worker_inflight", worker=second) == 1)
     draining = first if gw.metric("detgate_worker_inflight", worker=first) == 1 else second
     staying = second if draining == first else first
+    lookups = gw.metric("detgate_dns_lookups_total", result="ok")
     dns_server.set(NAME, [staying.removeprefix("http://").rpartition(":")[0]])
-    # Gone from the choice, still counted while its request runs.
-    wait_for(lambda: served_by(gw, 1) == {staying})
+    # Gone from the choice once a lookup begun after the change has been applied: the one in
+    # flight may answer the old set, the next one the new, and a third one counted means the
+    # second one's update is done (one request landing on the staying worker proves nothing).
+    wait_for(lambda: gw.metric("detgate_dns_lookups_total", result="ok") >= lookups + 3)
+    # Still counted while its request runs.
     assert served_by(gw, 6) == {staying}
     assert thread.is_alive(), "the long request ended before the check: make it longer"
     assert gw.metric("detgate_worker_inflight", worker=draining) == 1
