@@ -1,4 +1,4 @@
-"""A/B of the decode step's GPU time between the attention's two launches, in one process (CUDA).
+"""A/B of the decode step's GPU time between variants of its kernels, in one process (CUDA).
 
     PYTHONPATH=. python -m detgate.bench.decode_ab --out OUT_DIR [--rounds 3]
 
@@ -15,9 +15,10 @@ prefetch (bytes per weight row, kernels/matmul_triton.py PREFETCH_ROW_BYTES; 0: 
 `--unfused-swiglu` adds the decode variant with SwiGLU's matmul and silu-and-mul as two
 launches (worker/model/ops.py BatchInvariantOps.fuse_swiglu); `--heads-first` adds the decode
 variant whose attention programs start KV heads first (kernels/attention_triton.py
-HEADS_FIRST, flipped); `--table FILE` adds the decode variant with the matmul tile table of a
-`kernels_proof --tune` run (its gpu_kernels.json) merged over the shipped one. Writes
-OUT_DIR/decode-ab.json (median ms per variant and batch, every round's).
+HEADS_FIRST, flipped); `--kv-prefetch 256,...` adds decode variants whose attention asks L2 for
+that many K/V positions before its PDL wait (PREFETCH_KV_POSITIONS); `--table FILE` adds the
+decode variant with the matmul tile table of a `kernels_proof --tune` run (its
+gpu_kernels.json) merged over the shipped one. Writes OUT_DIR/decode-ab.json (median ms per variant and batch, every round's).
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ def main() -> int:
                    help="add the decode variant with SwiGLU in two launches")
     p.add_argument("--heads-first", action="store_true",
                    help="add the decode variant with the other attention launch order")
+    p.add_argument("--kv-prefetch", default="", help="K/V positions prefetched before the "
+                   "attention's PDL wait, for more decode variants")
     p.add_argument("--table", default="", help="kernels_proof's gpu_kernels.json: add the "
                    "decode variant with its tuned matmul table")
     args = p.parse_args()
@@ -123,7 +126,10 @@ def main() -> int:
     shipped_order = attention_triton.HEADS_FIRST
     shipped_table = dict(matmul_triton.TUNED_16BIT)
     tables = {"decode_table": tuned_table(shipped_table, args.table)} if args.table else {}
-    for name in unfused | flipped | set(tables):
+    shipped_kv = attention_triton.PREFETCH_KV_POSITIONS
+    kv_prefetch = {f"decode_kvpf{int(v)}": int(v)
+                   for v in filter(None, args.kv_prefetch.split(","))}
+    for name in unfused | flipped | set(tables) | set(kv_prefetch):
         variants[name] = VARIANTS["decode"]
         args.variants += f",{name}"
     shipped_prefetch = matmul_triton.PREFETCH_ROW_BYTES
@@ -159,6 +165,7 @@ def main() -> int:
             at.DECODE_BLOCK_M, at.DECODE_NUM_WARPS, at.DECODE_NUM_STAGES = rows, warps, stages
             BatchInvariantOps.fuse_swiglu = name not in unfused
             at.HEADS_FIRST = shipped_order != (name in flipped)
+            at.PREFETCH_KV_POSITIONS = kv_prefetch.get(name, shipped_kv)
             table = tables.get(name, shipped_table)
             if table != matmul_triton.TUNED_16BIT:
                 matmul_triton.TUNED_16BIT.clear()
@@ -181,6 +188,7 @@ def main() -> int:
               "prefetch_row_bytes": {n: prefetch.get(n, shipped_prefetch) for n in names},
               "fused_swiglu": {n: n not in unfused for n in names},
               "attention_heads_first": {n: shipped_order != (n in flipped) for n in names},
+              "attention_kv_prefetch": {n: kv_prefetch.get(n, shipped_kv) for n in names},
               "matmul_tables": {n: {f"{nk[0]},{nk[1]}": v for nk, v in t.items()}
                                 for n, t in tables.items()},
               "median_ms": median, "runs": runs,
