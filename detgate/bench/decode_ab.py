@@ -18,7 +18,8 @@ variant whose attention programs start KV heads first (kernels/attention_triton.
 HEADS_FIRST, flipped); `--kv-prefetch 256,...` adds decode variants whose attention asks L2 for
 that many K/V positions before its PDL wait (PREFETCH_KV_POSITIONS); `--table FILE` adds the
 decode variant with the matmul tile table of a `kernels_proof --tune` run (its
-gpu_kernels.json) merged over the shipped one. Writes OUT_DIR/decode-ab.json (median ms per variant and batch, every round's).
+gpu_kernels.json) merged over the shipped one. Writes OUT_DIR/decode-ab.json (median ms per
+variant and batch, every round's).
 """
 
 from __future__ import annotations
