@@ -112,6 +112,8 @@ DESC_MIN_TILES = 1
 # (decode: the weights are streamed once, and their first bytes need not wait for A). 0: off.
 PREFETCH_ROW_BYTES = 1024
 PREFETCH_MAX_M = 64
+# Whether the SwiGLU launch flattens its persistent loop into the K loop (as the plain one does)
+FLATTEN_SWIGLU = True
 
 # Fastest config per M bucket, measured on H200 (`python -m detgate.bench.kernels_proof --tune`,
 # Qwen3-8B projections, bench/results/kernels-h200-*.json): (N, K) -> ((M upper bound, config
@@ -313,7 +315,7 @@ def _matmul_tma_kernel(a_desc, b_desc, c_desc, a2_desc, b2_desc, c2_desc, bias_p
                        TAIL_N: tl.constexpr, B_IS_NK: tl.constexpr, A_DESC: tl.constexpr,
                        HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
                        PREFETCH: tl.constexpr, THREADS: tl.constexpr, SWIGLU: tl.constexpr,
-                       PDL: tl.constexpr):
+                       FLATTEN: tl.constexpr, PDL: tl.constexpr):
     if PREFETCH:  # noqa: SIM102 (compile time; the test below is a runtime one)
         # The weights (w_ptr: B as [N, K] rows, the descriptor's memory) are not the
         # predecessor's output: while this program waits for A's producer, L2 can already
@@ -336,7 +338,7 @@ def _matmul_tma_kernel(a_desc, b_desc, c_desc, a2_desc, b2_desc, c2_desc, bias_p
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     # Tiles 0 .. num_tiles-1 of the BLOCK_M x BLOCK_N grid (full waves of the persistent grid).
-    for tile_id in tl.range(tl.program_id(0), num_tiles, grid_size, flatten=True):
+    for tile_id in tl.range(tl.program_id(0), num_tiles, grid_size, flatten=FLATTEN):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         _tile(a_desc, b_desc, c_desc, bias_ptr, M, N, K, stride_am, pid_m * BLOCK_M,
               pid_n * BLOCK_N, up_off, BLOCK_M, BLOCK_N, BLOCK_K, B_IS_NK, A_DESC, HAS_BIAS,
@@ -502,7 +504,7 @@ class _Launch:
              0, self.up_off, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.tail_m,
              cfg.tail_n, b_is_nk, a_desc, bias is not None,
              "ieee" if a.dtype == torch.float32 else "tf32", self.prefetch, cfg.num_warps * 32,
-             swiglu, on),
+             swiglu, not swiglu or FLATTEN_SWIGLU, on),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=on,
             enable_fp_fusion=False)
         self.weight_args = (bt.data_ptr(), bt.stride(0))
@@ -718,7 +720,8 @@ def _matmul_jit(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             TAIL_M=cfg.tail_m, TAIL_N=cfg.tail_n, B_IS_NK=b_is_nk, A_DESC=desc,
             HAS_BIAS=bias is not None, PRECISION=precision, PREFETCH=prefetch,
-            THREADS=cfg.num_warps * 32, SWIGLU=swiglu, num_warps=cfg.num_warps,
+            THREADS=cfg.num_warps * 32, SWIGLU=swiglu, FLATTEN=not swiglu or FLATTEN_SWIGLU,
+            num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, enable_fp_fusion=False, **launch)
     else:
         stride_bk, stride_bn = (bt.stride(1), bt.stride(0)) if b_is_nk else bt.stride()
