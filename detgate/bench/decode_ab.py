@@ -12,14 +12,9 @@ i = sequence i) with the prefill's 64-row tiles (`decode_rows64`) and with its o
 engine picks it; `--tiles m16n64w4s3,...` adds decode launches with other tiles (rows, BLOCK_N,
 warps, stages); `--prefetch 0,2048,...` adds the decode variant with each matmul weight
 prefetch (bytes per weight row, kernels/matmul_triton.py PREFETCH_ROW_BYTES; 0: none);
-`--unfused-swiglu` adds the decode variant with SwiGLU's matmul and silu-and-mul as two
-launches (worker/model/ops.py BatchInvariantOps.fuse_swiglu); `--heads-first` adds the decode
-variant whose attention programs start KV heads first (kernels/attention_triton.py
-HEADS_FIRST, flipped); `--kv-prefetch 256,...` adds decode variants whose attention asks L2 for
-that many K/V positions before its PDL wait (PREFETCH_KV_POSITIONS); `--table FILE` adds the
-decode variant with the matmul tile table of a `kernels_proof --tune` run (its
-gpu_kernels.json) merged over the shipped one. Writes OUT_DIR/decode-ab.json (median ms per
-variant and batch, every round's).
+`--table FILE` adds the decode variant with the matmul tile table of a `kernels_proof --tune`
+run (its gpu_kernels.json) merged over the shipped one. Writes OUT_DIR/decode-ab.json (median
+ms per variant and batch, every round's).
 """
 
 from __future__ import annotations
@@ -40,7 +35,6 @@ from detgate.worker.engine.config import EngineConfig
 from detgate.worker.engine.cuda_graphs import capture_graph
 from detgate.worker.engine.engine import Engine
 from detgate.worker.model.attention_metadata import AttentionMetadata
-from detgate.worker.model.ops import BatchInvariantOps
 from detgate.worker.tools.random_model import load_random
 
 # name -> (whether the step's attention takes the decode launch, the decode tiles: rows, BLOCK_N,
@@ -112,25 +106,13 @@ def main() -> int:
     p.add_argument("--tiles", default="", help="tile configs for more decode variants")
     p.add_argument("--prefetch", default="", help="matmul weight prefetch bytes per row, for "
                    "more decode variants")
-    p.add_argument("--unfused-swiglu", action="store_true",
-                   help="add the decode variant with SwiGLU in two launches")
-    p.add_argument("--heads-first", action="store_true",
-                   help="add the decode variant with the other attention launch order")
-    p.add_argument("--kv-prefetch", default="", help="K/V positions prefetched before the "
-                   "attention's PDL wait, for more decode variants")
     p.add_argument("--table", default="", help="kernels_proof's gpu_kernels.json: add the "
                    "decode variant with its tuned matmul table")
     args = p.parse_args()
     variants = dict(VARIANTS)
-    unfused = {"decode_unfused_swiglu"} if args.unfused_swiglu else set()
-    flipped = {"decode_order_flipped"} if args.heads_first else set()
-    shipped_order = attention_triton.HEADS_FIRST
     shipped_table = dict(matmul_triton.TUNED_16BIT)
     tables = {"decode_table": tuned_table(shipped_table, args.table)} if args.table else {}
-    shipped_kv = attention_triton.PREFETCH_KV_POSITIONS
-    kv_prefetch = {f"decode_kvpf{int(v)}": int(v)
-                   for v in filter(None, args.kv_prefetch.split(","))}
-    for name in unfused | flipped | set(tables) | set(kv_prefetch):
+    for name in tables:
         variants[name] = VARIANTS["decode"]
         args.variants += f",{name}"
     shipped_prefetch = matmul_triton.PREFETCH_ROW_BYTES
@@ -164,9 +146,6 @@ def main() -> int:
             at.DECODE_TILE = tiles is not None
             rows, at.BLOCK_N, warps, stages = tiles or DECODE_SHIPPED
             at.DECODE_BLOCK_M, at.DECODE_NUM_WARPS, at.DECODE_NUM_STAGES = rows, warps, stages
-            BatchInvariantOps.fuse_swiglu = name not in unfused
-            at.HEADS_FIRST = shipped_order != (name in flipped)
-            at.PREFETCH_KV_POSITIONS = kv_prefetch.get(name, shipped_kv)
             table = tables.get(name, shipped_table)
             if table != matmul_triton.TUNED_16BIT:
                 matmul_triton.TUNED_16BIT.clear()
@@ -187,9 +166,6 @@ def main() -> int:
     result = {"environment": environment("cuda"), "args": vars(args),
               "variants": {n: variants[n] for n in names},
               "prefetch_row_bytes": {n: prefetch.get(n, shipped_prefetch) for n in names},
-              "fused_swiglu": {n: n not in unfused for n in names},
-              "attention_heads_first": {n: shipped_order != (n in flipped) for n in names},
-              "attention_kv_prefetch": {n: kv_prefetch.get(n, shipped_kv) for n in names},
               "matmul_tables": {n: {f"{nk[0]},{nk[1]}": v for nk, v in t.items()}
                                 for n, t in tables.items()},
               "median_ms": median, "runs": runs,

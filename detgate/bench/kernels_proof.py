@@ -42,7 +42,6 @@ from detgate.bench.timing import copy_tb_s, graph_ms
 from detgate.kernels import log_softmax_triton as ls
 from detgate.kernels import matmul_triton as mm
 from detgate.kernels import rmsnorm_triton as rn
-from detgate.kernels.activation_triton import silu_and_mul
 from detgate.kernels.bits import same_bits
 
 RESULT: dict = {}
@@ -108,13 +107,8 @@ def cross_config_bits() -> dict:
             outs["pointer"] = mm.matmul(shifted, w.t())
             ref = outs["m128n256"]
             differing += [f"M={m} {c}" for c, o in outs.items() if not same_bits(o, ref)]
-            if name == "gate_up_proj":  # the engine's launch: fused with silu-and-mul
-                two = silu_and_mul(ref)
-                differing += [f"M={m} {c}+silu" for c, cfg in mm.CONFIGS_16BIT.items()
-                              if not same_bits(mm.matmul_silu_and_mul(
-                                  a[:m], w.t(), config=mm.swiglu_config(cfg)), two)]
         report[name] = differing
-        BIT_DIFFERENT.update(d.split()[1].removesuffix("+silu") for d in differing)
+        BIT_DIFFERENT.update(d.split()[1] for d in differing)
         log("cross-config", name, differing or "all equal")
     return report
 
@@ -137,25 +131,16 @@ def bucket_samples(m_values: tuple[int, ...], spread: int) -> list[tuple[int, li
     return buckets
 
 
-def _candidate_ms(n: int, k: int, m: int, weights: list, swiglu: bool = False
-                  ) -> dict[str, float]:
-    """ms per call of torch and of every candidate config at one (shape, M). swiglu: the
-    configs run as the fused SwiGLU launch (`mm.swiglu_config`), as the engine runs gate_up;
-    torch is still the plain matmul."""
+def _candidate_ms(n: int, k: int, m: int, weights: list) -> dict[str, float]:
+    """ms per call of torch and of every candidate config at one (shape, M)."""
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     inputs = [(a, w.t()) for w in weights]
-
-    def ours(i, inp, cfg):
-        if swiglu:
-            return mm.matmul_silu_and_mul(*inp[i], config=mm.swiglu_config(cfg))
-        return mm.matmul(*inp[i], config=cfg)
-
     row = {"torch": graph_ms(lambda i, inp=inputs: torch.mm(*inp[i]), len(inputs), m * n * 2)}
     for cname, cfg in mm.CONFIGS_16BIT.items():
         if cname in BIT_DIFFERENT or (cfg.block_m == 64 and m > 256 and
                                       (cfg.block_n <= 64 or cfg.block_k > 64)):
             continue  # decode tiles only pay off while the weights dominate
-        row[cname] = graph_ms(lambda i, inp=inputs, cfg=cfg: ours(i, inp, cfg),
+        row[cname] = graph_ms(lambda i, inp=inputs, cfg=cfg: mm.matmul(*inp[i], config=cfg),
                               len(inputs), m * n * 2)
     return row
 
@@ -164,8 +149,7 @@ def explore(shapes: list[str] | None = None, m_values: tuple[int, ...] = bench.M
             spread: int = 1) -> dict:
     """Time every candidate config on every (shape, M bucket); returns the per-shape tuned
     table. With spread > 1 a bucket's figure per config is its mean over `spread` sizes in the
-    bucket (`bucket_samples`). gate_up_proj is timed as the engine runs it: fused with its
-    silu-and-mul (`mm.matmul_silu_and_mul`)."""
+    bucket (`bucket_samples`)."""
     info = mm.device_info(torch.cuda.current_device())
     timings, table = {}, {}
     for name, (n, k) in bench.MATMUL_SHAPES.items():
@@ -174,8 +158,7 @@ def explore(shapes: list[str] | None = None, m_values: tuple[int, ...] = bench.M
         weights = bench.matmul_weights(n, k)
         entries = []
         for m, sizes in bucket_samples(m_values, spread):
-            rows = [_candidate_ms(n, k, size, weights, swiglu=name == "gate_up_proj")
-                    for size in sizes]
+            rows = [_candidate_ms(n, k, size, weights) for size in sizes]
             row = {c: sum(r[c] for r in rows) / len(rows)
                    for c in rows[0] if all(c in r for r in rows)}
             best = min((v, c) for c, v in row.items() if c != "torch")

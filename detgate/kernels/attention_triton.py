@@ -50,15 +50,6 @@ DECODE_TILE = os.environ.get("DETGATE_DECODE_TILE", "1") != "0"
 # Columns of the ones that p is multiplied by for its row sum: the MMA's smallest N.
 ROW_SUM_COLUMNS = tl.constexpr(16)
 KV_SPLIT = 1024  # KV positions per split: a multiple of BLOCK_N
-# Launch order: a query block's KV heads one after the other (their K/V rows of a position lie
-# side by side in the cache), or a KV head's query blocks. Which program computes what, and
-# so every bit, is the same either way.
-HEADS_FIRST = False
-# Decode launches with PDL: K/V positions per program (from its split's first) whose rows it
-# asks L2 for before its wait (`_prefetch_kv`); 0: none.
-PREFETCH_KV_POSITIONS = 0
-# positions per prefetch round: one row of K and one of V per thread
-PREFETCH_CHUNK = tl.constexpr(64)
 COMBINE_HEADS = 2  # heads x head-dim slice per combine program: spread the merge loops wide
 COMBINE_DIMS = 64
 _LOG2E = 1.4426950408889634
@@ -142,39 +133,6 @@ def _split_partial(q, q_pos, kv_lo, kv_hi, seq_len, table_ptr, k_cache_ptr, v_ca
 
 
 @triton.jit
-def _prefetch_kv(table_ptr, k_cache_ptr, v_cache_ptr, kv_head, lo, hi, stride_cache_slot,
-                 stride_cache_head, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 CHUNK: tl.constexpr):
-    """Ask L2 for the K and V rows of positions [lo, hi) of one KV head: one bulk prefetch per
-    row (HEAD_DIM elements) and thread. A cache hint: nothing is read into registers and no
-    value changes, only where the later loads find their bytes (L2 is the GPU's point of
-    coherence, so a prefetched line is never stale)."""
-    row_bytes = tl.full([CHUNK], HEAD_DIM * (k_cache_ptr.dtype.element_ty.primitive_bitwidth // 8),
-                        tl.int32)
-    for p0 in range(lo, hi, CHUNK):
-        pos = p0 + tl.arange(0, CHUNK)
-        ok = pos < hi
-        block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
-        row = (block * BLOCK_SIZE + pos % BLOCK_SIZE) * stride_cache_slot \
-            + kv_head * stride_cache_head
-        _prefetch_l2(k_cache_ptr + row, row_bytes, ok)
-        _prefetch_l2(v_cache_ptr + row, row_bytes, ok)
-
-
-@triton.jit
-def _prefetch_l2(ptrs, nbytes, ok):
-    """One bulk L2 prefetch of nbytes at each pointer where ok (sm_90)."""
-    tl.inline_asm_elementwise(
-        """{
-        .reg .pred p;
-        setp.ne.u32 p, $3, 0;
-        @p cp.async.bulk.prefetch.L2.global [$1], $2;
-        mov.u32 $0, 0;
-        }""", "=r,l,r,r", [ptrs.to(tl.int64, bitcast=True), nbytes, ok.to(tl.int32)],
-        dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _merge(m_run, denom_run, acc_run, m, denom, acc):
     """Fold one split's (m, denom, acc) into the running result; a split a row did not see
     (m = -inf) leaves it untouched."""
@@ -195,26 +153,11 @@ def _attn_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, qsl_ptr, 
                  qk_scale, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, KV_SPLIT: tl.constexpr, SPLIT_PROGRAMS: tl.constexpr,
-                 DECODE: tl.constexpr, HEADS_FIRST: tl.constexpr,
-                 PREFETCH_KV: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
-    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
-    if HEADS_FIRST:  # grid (KV heads, query blocks): only the order programs start in changes
-        kv_head = tl.program_id(0)
-        pid = tl.program_id(1)
-    else:
-        pid = tl.program_id(0)
-        kv_head = tl.program_id(1)
-    if PREFETCH_KV > 0:
-        # Before the PDL wait (decode launches): the predecessor still running is the step's
-        # q/k/v store, every kernel before it has completed (kernels/pdl.py), so this reads
-        # only what it does not write (the sequence's length and block table) and asks L2 for
-        # the first PREFETCH_KV cached positions of its split.
-        lo = tl.program_id(2) * KV_SPLIT if SPLIT_PROGRAMS else 0
-        hi = tl.minimum(tl.load(seq_lens_ptr + pid), lo + PREFETCH_KV)
-        _prefetch_kv(tables_ptr + pid.to(tl.int64) * stride_table, k_cache_ptr, v_cache_ptr,
-                     kv_head, lo, hi, stride_cache_slot, stride_cache_head, BLOCK_SIZE,
-                     HEAD_DIM, PREFETCH_CHUNK)
+                 DECODE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     pdl.enter(PDL)
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
     # DECODE: program i is sequence i, its query (if it has one) in rows 0..GROUP-1 as below.
     seq = pid if DECODE else _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q, True)
     q_begin = tl.load(qsl_ptr + seq)
@@ -357,23 +300,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     qsl = query_start_loc.to(torch.int32)
     lens = seq_lens.to(torch.int32)
     tables = block_tables.to(torch.int32)
-    heads_first = HEADS_FIRST and q_blocks < 65536  # the grid's y limit
-    blocks_heads = (hkv, q_blocks) if heads_first else (q_blocks, hkv)
     if split_programs:
         ws_ml = torch.empty(num_tokens, hq, max_splits, 2, device=q.device, dtype=torch.float32)
         ws_acc = torch.empty(num_tokens, hq, max_splits, d, device=q.device, dtype=torch.float32)
-        grid = (*blocks_heads, max_splits)
+        grid = (q_blocks, hkv, max_splits)
     else:
         ws_ml = ws_acc = out  # unused
-        grid = blocks_heads
+        grid = (q_blocks, hkv)
     _attn_kernel[grid](q, k_cache, v_cache, out, tables, qsl, lens, ws_ml, ws_acc, num_seqs,
                        q.stride(0), q.stride(1), out.stride(0), out.stride(1), tables.stride(0),
                        k_cache.stride(1), k_cache.stride(2), hq * max_splits, max_splits,
                        scale * _LOG2E, BLOCK_SIZE=block_size, HEAD_DIM=d, GROUP=group,
                        GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_N=BLOCK_N, KV_SPLIT=KV_SPLIT,
-                       SPLIT_PROGRAMS=split_programs, DECODE=decode, HEADS_FIRST=heads_first,
-                       PREFETCH_KV=PREFETCH_KV_POSITIONS if decode and launch["PDL"] else 0,
-                       PRECISION=precision,
+                       SPLIT_PROGRAMS=split_programs, DECODE=decode, PRECISION=precision,
                        num_warps=warps, num_stages=stages, enable_fp_fusion=False, **launch)
     if split_programs:
         heads, dims = min(COMBINE_HEADS, hq), min(COMBINE_DIMS, d)

@@ -80,38 +80,6 @@ def test_decode_at_every_position_equals_prefill(at):
         assert same_bits(dec, full), f"decode launch, split={split}"
 
 
-@pytest.mark.parametrize("prefetch", [64, 1024])
-def test_kv_prefetch_and_launch_order_do_not_change_bits(at, prefetch, monkeypatch):
-    """Decode launches asking L2 for K/V rows before their PDL wait (a cache hint), started KV
-    heads first or query blocks first: the bits of the plain decode launch at every position,
-    in both launch shapes. Inside a graph of store + attention steps, so that the predecessor
-    (the K/V store of the step) still runs while the prefetch is issued."""
-    n = 1100
-    world = make_world([n], HQ, HKV, D, 16, torch.bfloat16, "cuda", seed=3)
-    prefill(world, [0], impl=_impl(at, False))
-    table = torch.tensor(world.blocks[0], dtype=torch.int32, device="cuda").expand(n, -1)
-    qsl = torch.arange(n + 1, dtype=torch.int32, device="cuda")
-    lens = torch.arange(1, n + 1, dtype=torch.int32, device="cuda")
-    slots = torch.full((n,), -1, device="cuda")  # the store runs and writes nothing
-
-    def run(split):
-        at.store_kv(world.k[0], world.v[0], world.k_cache, world.v_cache, slots)
-        return at.paged_attention(world.q[0], world.k_cache, world.v_cache, table.contiguous(),
-                                  qsl, lens, D**-0.5, decode=True, split_programs=split)
-
-    plain = {split: run(split) for split in (False, True)}
-    monkeypatch.setattr(at, "PREFETCH_KV_POSITIONS", prefetch)
-    for heads_first in (False, True):
-        monkeypatch.setattr(at, "HEADS_FIRST", heads_first)
-        for split in (False, True):
-            assert same_bits(run(split), plain[split]), (heads_first, split)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = run(split)
-            graph.replay()
-            assert same_bits(out, plain[split]), ("graph", heads_first, split)
-
-
 def test_needle_alone_equals_needle_among_many(at):
     gen = torch.Generator().manual_seed(4)
     lens = [700] + torch.randint(1, 3000, (31,), generator=gen).tolist()
