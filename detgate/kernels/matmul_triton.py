@@ -123,12 +123,17 @@ PREFETCH_MAX_M = 64
 # 513-1024 rows keep the earlier tune's choices: the new ones, measured at the buckets' upper
 # bounds only, made the cost workload's mixed steps of 513-1024 tokens slower (28.7 against
 # 26.2 ms; a tail's worth depends on the exact tile count, not only the bucket).
+# Up to 32 rows (kernels-tune-h200-2026-12-03-rows16.json, with the 16-row mma tiles as
+# candidates): qkv_proj on 16-row tiles up to 16 rows, gate_up_proj from 2 to 16; in the decode
+# step 4.716 / 4.773 ms at 1 / 8 sequences against 4.732 / 4.795 with the table before
+# (decode-ab-h200-2026-12-03-rows16.json, alternating in one process): a small gain.
 TUNED_16BIT: dict[tuple[int, int], tuple[tuple[int, str], ...]] = {
     # Full decode batches (193-256 rows; kernels-tune-h200-2026-12-02-decode256.json, every 8 to
     # 16 rows): qkv and gate_up on 128 x 128 tiles with five stages (gate_up 83.5 us in graphs
     # at M = 256 against 86.2 with six, 89.4 before; cuBLAS 73.8), m64n256 up to 224 for qkv.
     (6144, 4096): (  # qkv_proj
-        (64, "m64n64k128"), (128, "m64n128k128"), (224, "m64n256"), (248, "m128n128s5"),
+        (1, "m16n64k128"), (16, "m16n64k128c2"), (64, "m64n64k128"), (128, "m64n128k128"),
+        (224, "m64n256"), (248, "m128n128s5"),
         (256, "m128n128s6"), (384, "m128n256"), (512, "m128n256t64n128"), (640, "m128n256"),
         (1024, "m128n128w4"), (1152, "m128n128w4t64"), (1408, "m128n256"), (1536, "m128n128w4t64"),
         (1664, "m128n128w4"), (2048, "m128n256"), (2304, "m128n128w4"), (2560, "m128n128t64"),
@@ -144,7 +149,8 @@ TUNED_16BIT: dict[tuple[int, int], tuple[tuple[int, str], ...]] = {
         (7168, "m128n256"), (8192, "m64n256"),
     ),
     (24576, 4096): (  # gate_up_proj
-        (1, "m64n64k128"), (64, "m64n256"), (128, "m64n128k128"), (160, "m64n256t128"),
+        (1, "m64n64k128"), (16, "m16n64k128"), (32, "m64n64k128"), (64, "m64n256"),
+        (128, "m64n128k128"), (160, "m64n256t128"),
         (192, "m64n128k128"), (224, "m128n256t64"), (256, "m128n128s5"), (384, "m128n128w4t64"),
         (640, "m128n256"), (768, "m128n128w4"), (1152, "m128n256"), (1280, "m128n128w4"),
         (1408, "m128n256t64"), (1536, "m128n128t64"), (1664, "m128n256t64"),

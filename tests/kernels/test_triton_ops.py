@@ -151,6 +151,13 @@ def test_matmul_a_by_descriptor_or_by_pointer_gives_the_same_bits(dtype):
         assert same_bits(mm_mod.matmul(a[:rows], w.t(), bias), by_desc[:rows]), rows
 
 
+def test_tuned_table_names_configs_in_increasing_buckets():
+    for shape, entries in mm_mod.TUNED_16BIT.items():
+        bounds = [m for m, _ in entries]
+        assert bounds == sorted(set(bounds)), shape
+        assert all(name in mm_mod.CONFIGS_16BIT for _, name in entries), shape
+
+
 def test_matmul_uses_linear_weight_without_copy():
     w = _randn(64, 32, dtype=torch.bfloat16, seed=4)
     used, is_nk = mm_mod._b_layout(w.t())
