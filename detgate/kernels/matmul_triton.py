@@ -414,6 +414,13 @@ def swiglu_config(cfg: TileConfig) -> TileConfig:
                    tail_n=max(cfg.tail_n // 2, 8) if cfg.tail_n else 0)
 
 
+def _launch_config(m: int, b_n: int, k: int, dtype: torch.dtype, info: DeviceInfo,
+                   swiglu: bool) -> TileConfig:
+    """The tile for B's b_n columns at M rows: the gate_up matmul's, halved for SwiGLU."""
+    cfg = pick_config(m, b_n, k, dtype, info)
+    return swiglu_config(cfg) if swiglu else cfg
+
+
 def clear_caches() -> None:
     """Forget the per-weight launch state (after TUNED_16BIT changes)."""
     _WEIGHTS.clear()
@@ -563,9 +570,7 @@ class _Weight:
 
     def plan_for(self, a: torch.Tensor, bt: torch.Tensor, bias: torch.Tensor | None,
                  m: int) -> _Plan:
-        cfg = pick_config(m, self.b_n, self.k, self.dtype, self.info)
-        if self.swiglu:
-            cfg = swiglu_config(cfg)
+        cfg = _launch_config(m, self.b_n, self.k, self.dtype, self.info, self.swiglu)
         key = (cfg, _a_desc(m, cfg))
         launch = self.by_config.get(key)
         if launch is None:
@@ -709,9 +714,7 @@ def _matmul_jit(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
         (c_n * a.element_size()) % 16 == 0
     if swiglu and not (use_tma and b_is_nk):  # the two launches: the same bits
         return silu_and_mul(_matmul_jit(a, b, bias, None, a_desc, False))
-    cfg = config or pick_config(m, n, k, a.dtype, info)
-    if swiglu:
-        cfg = config or swiglu_config(cfg)
+    cfg = config or _launch_config(m, n, k, a.dtype, info, swiglu)
     n = c_n
     c = torch.empty((m, n), dtype=a.dtype, device=a.device)
     bias_arg = bias if bias is not None else c

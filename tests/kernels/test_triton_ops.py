@@ -138,8 +138,8 @@ def _check_tail_subtiles(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matmul_silu_and_mul_gives_the_bits_of_the_two_launches(dtype):
-    # I = 40: the second gate tile of 16 x 32 runs into the up rows (its columns past I are
-    # never stored); a tail config cuts the last wave into sub-tiles.
+    # I = 40: the last tile of 16 outputs runs past I (zeros from the [2, I, K] descriptor's
+    # bounds, never stored); a tail config cuts the last wave into sub-tiles.
     from detgate.kernels import activation_triton as act
 
     m, i, k = 37, 40, 64
