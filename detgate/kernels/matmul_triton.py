@@ -104,6 +104,11 @@ CONFIGS_16BIT = {
     "m128n128w4t64": TileConfig(128, 128, 4, 4, tail_m=64, tail_n=128),
     "m64n256t128": TileConfig(64, 256, 4, 4, tail_m=64, tail_n=128),
     "m64n128k128t64": TileConfig(64, 128, 4, 4, block_k=128, tail_m=64, tail_n=64),
+    # Quarters and eighths: 64 x 64 sub-tiles, for o_proj and down_proj (N = 4,096: 32 columns
+    # of 128) at a few hundred to 1,500 rows, where 1.2-1.5 waves of big tiles are common.
+    "m128n128t64n64": TileConfig(128, 128, 8, 4, tail_m=64, tail_n=64),
+    "m128n128w4t64n64": TileConfig(128, 128, 4, 4, tail_m=64, tail_n=64),
+    "m128n256t64n64": TileConfig(128, 256, 8, 3, tail_m=64, tail_n=64),
 }
 CONFIG_FP32 = TileConfig(64, 64, 4, 3, block_k=32)
 CONFIG_INTERPRETER = TileConfig(16, 32, 4, 1, block_k=32)
