@@ -12,11 +12,9 @@ i = sequence i) with the prefill's 64-row tiles (`decode_rows64`) and with its o
 engine picks it; `--tiles m16n64w4s3,...` adds decode launches with other tiles (rows, BLOCK_N,
 warps, stages); `--prefetch 0,2048,...` adds the decode variant with each matmul weight
 prefetch (bytes per weight row, kernels/matmul_triton.py PREFETCH_ROW_BYTES; 0: none);
-`--fused-swiglu` adds the decode variant with SwiGLU's matmul and silu-and-mul in one launch
-(worker/model/ops.py BatchInvariantOps.fuse_swiglu, flipped); `--table FILE` adds the decode
-variant with the matmul tile table of a `kernels_proof --tune` run (its gpu_kernels.json)
-merged over the shipped one. Writes OUT_DIR/decode-ab.json (median ms per variant and batch,
-every round's).
+`--table FILE` adds the decode variant with the matmul tile table of a `kernels_proof --tune`
+run (its gpu_kernels.json) merged over the shipped one. Writes OUT_DIR/decode-ab.json (median
+ms per variant and batch, every round's).
 """
 
 from __future__ import annotations
@@ -37,7 +35,6 @@ from detgate.worker.engine.config import EngineConfig
 from detgate.worker.engine.cuda_graphs import capture_graph
 from detgate.worker.engine.engine import Engine
 from detgate.worker.model.attention_metadata import AttentionMetadata
-from detgate.worker.model.ops import BatchInvariantOps
 from detgate.worker.tools.random_model import load_random
 
 # name -> (whether the step's attention takes the decode launch, the decode tiles: rows, BLOCK_N,
@@ -109,17 +106,13 @@ def main() -> int:
     p.add_argument("--tiles", default="", help="tile configs for more decode variants")
     p.add_argument("--prefetch", default="", help="matmul weight prefetch bytes per row, for "
                    "more decode variants")
-    p.add_argument("--fused-swiglu", action="store_true",
-                   help="add the decode variant with SwiGLU's launches flipped (fused / two)")
     p.add_argument("--table", default="", help="kernels_proof's gpu_kernels.json: add the "
                    "decode variant with its tuned matmul table")
     args = p.parse_args()
     variants = dict(VARIANTS)
     shipped_table = dict(matmul_triton.TUNED_16BIT)
     tables = {"decode_table": tuned_table(shipped_table, args.table)} if args.table else {}
-    flipped = {"decode_swiglu_flipped"} if args.fused_swiglu else set()
-    shipped_fuse = BatchInvariantOps.fuse_swiglu
-    for name in set(tables) | flipped:
+    for name in tables:
         variants[name] = VARIANTS["decode"]
         args.variants += f",{name}"
     shipped_prefetch = matmul_triton.PREFETCH_ROW_BYTES
@@ -153,7 +146,6 @@ def main() -> int:
             at.DECODE_TILE = tiles is not None
             rows, at.BLOCK_N, warps, stages = tiles or DECODE_SHIPPED
             at.DECODE_BLOCK_M, at.DECODE_NUM_WARPS, at.DECODE_NUM_STAGES = rows, warps, stages
-            BatchInvariantOps.fuse_swiglu = shipped_fuse != (name in flipped)
             table = tables.get(name, shipped_table)
             if table != matmul_triton.TUNED_16BIT:
                 matmul_triton.TUNED_16BIT.clear()
@@ -174,7 +166,6 @@ def main() -> int:
     result = {"environment": environment("cuda"), "args": vars(args),
               "variants": {n: variants[n] for n in names},
               "prefetch_row_bytes": {n: prefetch.get(n, shipped_prefetch) for n in names},
-              "fused_swiglu": {n: shipped_fuse != (n in flipped) for n in names},
               "matmul_tables": {n: {f"{nk[0]},{nk[1]}": v for nk, v in t.items()}
                                 for n, t in tables.items()},
               "median_ms": median, "runs": runs,

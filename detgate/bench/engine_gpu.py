@@ -42,7 +42,7 @@ from detgate.worker.engine.config import EngineConfig
 from detgate.worker.engine.engine import Engine
 from detgate.worker.model.attention_metadata import AttentionMetadata
 from detgate.worker.model.loader import load
-from detgate.worker.model.ops import BatchInvariantOps, make_ops
+from detgate.worker.model.ops import make_ops
 from detgate.worker.tools.make_model import PRESETS
 from detgate.worker.tools.random_model import load_random
 
@@ -91,9 +91,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="warm-up captures decode graphs up to this context width")
     p.add_argument("--mixed-capture-width", type=int, default=256,
                    help="warm-up captures mixed-step graphs up to this context width")
-    p.add_argument("--fused-swiglu", choices=["shipped", "on", "off"], default="shipped",
-                   help="batch_invariant's SwiGLU in one launch or two (BatchInvariantOps."
-                        "fuse_swiglu; the same bits either way)")
     return p
 
 
@@ -451,9 +448,6 @@ def main(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run with --device cpu")
         return 2
-    if args.fused_swiglu != "shipped":
-        BatchInvariantOps.fuse_swiglu = args.fused_swiglu == "on"
-    args.fuse_swiglu = BatchInvariantOps.fuse_swiglu  # recorded with the args
     experiment = Experiment(args)
     experiment.run()
     kernels_failed = [k for k, v in experiment.result.get("kernel_check", {}).items()

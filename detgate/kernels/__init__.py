@@ -13,13 +13,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["add_rms_norm", "log_softmax", "matmul", "matmul_silu_and_mul", "rms_norm",
-           "set_batch_invariant_mode", "silu_and_mul"]
+__all__ = ["add_rms_norm", "log_softmax", "matmul", "rms_norm", "set_batch_invariant_mode",
+           "silu_and_mul"]
 
 # op name -> module holding its CUDA (Triton) implementation, under the same name.
 _CUDA_MODULES = {
     "matmul": "detgate.kernels.matmul_triton",
-    "matmul_silu_and_mul": "detgate.kernels.matmul_triton",
     "rms_norm": "detgate.kernels.rmsnorm_triton",
     "add_rms_norm": "detgate.kernels.rmsnorm_triton",
     "log_softmax": "detgate.kernels.log_softmax_triton",
@@ -75,14 +74,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     launch, bit for bit torch's F.silu(gate) * up; CPU: ours, since torch's vectorised body and
     scalar tail compute exp differently."""
     return _impl("silu_and_mul", x)(x)
-
-
-def matmul_silu_and_mul(a: torch.Tensor, b: torch.Tensor,
-                        bias: torch.Tensor | None = None) -> torch.Tensor:
-    """SwiGLU's first half: a [M, K] @ b [K, 2I] (+ bias) = (gate | up) -> silu(gate) * up
-    [M, I], bit for bit silu_and_mul(matmul(a, b, bias)). CUDA: one launch (the activation in
-    the matmul's epilogue, no [M, 2I] intermediate); CPU: the two ops."""
-    return _impl("matmul_silu_and_mul", a)(a, b, bias)
 
 
 def set_batch_invariant_mode(enabled: bool = True):

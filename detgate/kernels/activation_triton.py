@@ -34,15 +34,6 @@ else:  # tl.exp would be the approximate ex2.approx; libdevice's expf is what CU
 
 
 @triton.jit
-def silu_mul(g, up, dtype: tl.constexpr):
-    """silu(g) * up -> dtype, for g and up holding values of dtype in fp32: the arithmetic of
-    the module docstring. Also the matmul's SwiGLU epilogue (kernels/matmul_triton.py); every
-    kernel calling it compiles with fp fusion off, so no caller contracts its mul and add."""
-    silu = tl.math.div_rn(g, 1.0 + _exp(-g)).to(dtype).to(tl.float32)
-    return (silu * up).to(dtype)
-
-
-@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, size, stride_x, stride_out, BLOCK: tl.constexpr,
                          PDL: tl.constexpr):
     pdl.enter(PDL)
@@ -52,7 +43,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, size, stride_x, stride_out, BLOCK: tl.c
     dtype = out_ptr.dtype.element_ty
     g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + size + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, silu_mul(g, up, dtype), mask=mask)
+    silu = tl.math.div_rn(g, 1.0 + _exp(-g)).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (silu * up).to(dtype), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

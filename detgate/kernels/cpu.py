@@ -114,10 +114,3 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2I] = (gate | up) -> silu(gate) * up [..., I] in x's dtype (fp32 inside)."""
     out = load().silu_and_mul(_rows(x))
     return out.view(*x.shape[:-1], x.shape[-1] // 2).to(x.dtype)
-
-
-def matmul_silu_and_mul(a: torch.Tensor, b: torch.Tensor,
-                        bias: torch.Tensor | None = None) -> torch.Tensor:
-    """silu_and_mul(matmul(a, b, bias)): SwiGLU's gate | up matmul and its activation (the CUDA
-    kernels fuse the two; here they run one after the other)."""
-    return silu_and_mul(matmul(a, b, bias))

@@ -9,10 +9,7 @@ how many k16 steps one loop iteration issues (BLOCK_K), never the order of those
 per-element chain is the same for every config of a dtype. A config's tail (the tiles after
 the persistent grid's full waves, computed as smaller sub-tiles) is one more choice of which
 program computes an element, and a weight prefetch before the PDL wait only moves bytes into
-L2 earlier. The SwiGLU launch (`matmul_silu_and_mul`) puts the gate and up columns of the
-same outputs side by side in one accumulator (each column the same chain as in the matmul) and
-applies silu(gate) * up to the two rounded results: pointwise, after the reductions. That this
-holds on the hardware is
+L2 earlier. That this holds on the hardware is
 checked bitwise, every config against every other on every projection shape, and over
 M = 1..8192 with the dispatch in force (tests/kernels/test_gpu_ops.py,
 detgate/bench/kernels_proof.py).
@@ -27,7 +24,7 @@ compiled kernel are kept per weight, so a call costs one allocation and one C la
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -35,7 +32,6 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from detgate.kernels import pdl
-from detgate.kernels.activation_triton import silu_and_mul, silu_mul
 from detgate.kernels.triton_launch import Launcher, Unsupported, raw_stream
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
@@ -104,11 +100,6 @@ CONFIGS_16BIT = {
     "m128n128w4t64": TileConfig(128, 128, 4, 4, tail_m=64, tail_n=128),
     "m64n256t128": TileConfig(64, 256, 4, 4, tail_m=64, tail_n=128),
     "m64n128k128t64": TileConfig(64, 128, 4, 4, block_k=128, tail_m=64, tail_n=64),
-    # Quarters and eighths: 64 x 64 sub-tiles, for o_proj and down_proj (N = 4,096: 32 columns
-    # of 128) at a few hundred to 1,500 rows, where 1.2-1.5 waves of big tiles are common.
-    "m128n128t64n64": TileConfig(128, 128, 8, 4, tail_m=64, tail_n=64),
-    "m128n128w4t64n64": TileConfig(128, 128, 4, 4, tail_m=64, tail_n=64),
-    "m128n256t64n64": TileConfig(128, 256, 8, 3, tail_m=64, tail_n=64),
 }
 CONFIG_FP32 = TileConfig(64, 64, 4, 3, block_k=32)
 CONFIG_INTERPRETER = TileConfig(16, 32, 4, 1, block_k=32)
@@ -129,9 +120,11 @@ PREFETCH_MAX_M = 64
 # and down_proj at 1025-1536 rows on 128 x 256 tiles: 144-192 tiles on 132 SMs); tails win
 # 2-9% where a last wave of big tiles would leave most SMs idle (down_proj at 1153-1280 rows,
 # gate_up_proj at 1281-1408), and lose where sub-tiles run slower than the idle SMs cost.
-# 513-1024 rows keep the earlier tune's choices: the new ones, measured at the buckets' upper
-# bounds only, made the cost workload's mixed steps of 513-1024 tokens slower (28.7 against
-# 26.2 ms; a tail's worth depends on the exact tile count, not only the bucket).
+# 257-1,536 rows of qkv_proj, o_proj and down_proj were tuned again with three sizes spread
+# over each 128-row bucket (`--tune-spread 3`, kernels-tune-h200-2026-12-03-mid.json): where a
+# bucket's tile count varies, its choice is the best on average, not at the bound alone (the
+# earlier bound-only tune of 513-1,024 rows had made the cost workload's mixed steps slower).
+# down_proj gains 6-16% from 385 to 1,024 rows (m128n256t64 against m128n128w4 / m128n256).
 # Up to 32 rows (kernels-tune-h200-2026-12-03-rows16.json, with the 16-row mma tiles as
 # candidates): qkv_proj on 16-row tiles up to 16 rows, gate_up_proj from 2 to 16; in the decode
 # step 4.716 / 4.773 ms at 1 / 8 sequences against 4.732 / 4.795 with the table before
@@ -142,20 +135,20 @@ TUNED_16BIT: dict[tuple[int, int], tuple[tuple[int, str], ...]] = {
     # at M = 256 against 86.2 with six, 89.4 before; cuBLAS 73.8), m64n256 up to 224 for qkv.
     (6144, 4096): (  # qkv_proj
         (1, "m16n64k128"), (16, "m16n64k128c2"), (64, "m64n64k128"), (128, "m64n128k128"),
-        (224, "m64n256"), (248, "m128n128s5"),
-        (256, "m128n128s6"), (384, "m128n256"), (512, "m128n256t64n128"), (640, "m128n256"),
-        (1024, "m128n128w4"), (1152, "m128n128w4t64"), (1408, "m128n256"), (1536, "m128n128w4t64"),
-        (1664, "m128n128w4"), (2048, "m128n256"), (2304, "m128n128w4"), (2560, "m128n128t64"),
-        (2816, "m128n256"), (3584, "m128n256t64"), (4608, "m128n256"), (6144, "m64n256"),
-        (7168, "m128n256t64n128"), (8192, "m128n128t64"),
+        (224, "m64n256"), (248, "m128n128s5"), (256, "m128n128s6"), (384, "m64n256t128"),
+        (512, "m128n256t64n128"), (640, "m128n256t64"), (768, "m64n256t128"),
+        (1024, "m128n128w4"), (1280, "m128n256"), (1408, "m128n256t64"),
+        (1536, "m128n256t64n128"), (1664, "m128n128w4"), (2048, "m128n256"), (2304, "m128n128w4"),
+        (2560, "m128n128t64"), (2816, "m128n256"), (3584, "m128n256t64"), (4608, "m128n256"),
+        (6144, "m64n256"), (7168, "m128n256t64n128"), (8192, "m128n128t64"),
     ),
     (4096, 4096): (  # o_proj
         (64, "m64n32k256"), (128, "m64n64k128"), (192, "m64n128k128"), (224, "m64n128"),
-        (240, "m128n64"), (256, "m64n128k128"), (384, "m128n128s6"), (512, "m128n128w4"),
-        (1024, "m128n256"), (1280, "m128n128w4t64"), (1408, "m128n128w4"), (1536, "m128n128"),
-        (1664, "m128n128w4t64"), (2048, "m128n256"), (2304, "m128n128w4t64"), (2560, "m128n128"),
-        (3072, "m128n256"), (3584, "m128n128w4"), (4096, "m128n256"), (4608, "m128n128"),
-        (7168, "m128n256"), (8192, "m64n256"),
+        (240, "m128n64"), (256, "m64n128k128"), (512, "m64n256"), (768, "m128n256t64"),
+        (896, "m128n256t64n128"), (1024, "m128n256"), (1280, "m128n128w4t64"), (1408, "m128n128w4"),
+        (1536, "m128n128"), (1664, "m128n128w4t64"), (2048, "m128n256"), (2304, "m128n128w4t64"),
+        (2560, "m128n128"), (3072, "m128n256"), (3584, "m128n128w4"), (4096, "m128n256"),
+        (4608, "m128n128"), (7168, "m128n256"), (8192, "m64n256"),
     ),
     (24576, 4096): (  # gate_up_proj
         (1, "m64n64k128"), (16, "m16n64k128"), (32, "m64n64k128"), (64, "m64n256"),
@@ -169,11 +162,11 @@ TUNED_16BIT: dict[tuple[int, int], tuple[tuple[int, str], ...]] = {
     ),
     (4096, 12288): (  # down_proj
         (64, "m64n32k256"), (128, "m64n64k128"), (160, "m64n128"), (192, "m64n128k128"),
-        (224, "m64n128"), (256, "m64n128k128"), (640, "m128n128w4"), (1024, "m128n256"),
-        (1280, "m128n128w4t64"), (1408, "m128n128w4"), (1536, "m128n128"), (1664, "m128n128w4t64"),
-        (2048, "m128n256"), (2304, "m128n128t64"), (2560, "m128n128w4"), (2816, "m128n128w4t64"),
-        (3072, "m64n256"), (3584, "m128n128"), (4096, "m128n256"), (4608, "m64n256"),
-        (8192, "m128n256"),
+        (224, "m64n128"), (256, "m64n128k128"), (384, "m64n256"), (512, "m64n256t128"),
+        (1024, "m128n256t64"), (1280, "m128n128w4t64"), (1408, "m64n256"), (1536, "m128n128"),
+        (1664, "m128n128w4t64"), (2048, "m128n256"), (2304, "m128n128t64"), (2560, "m128n128w4"),
+        (2816, "m128n128w4t64"), (3072, "m64n256"), (3584, "m128n128"), (4096, "m128n256"),
+        (4608, "m64n256"), (8192, "m128n256"),
     ),
     (151936, 4096): (  # lm_head
         (1, "m64n128"), (8, "m64n128"), (32, "m64n128"), (64, "m64n128k128"), (128, "m128n128"),
@@ -264,17 +257,11 @@ def _prefetch_rows(first_row, rows, row_stride, nbytes, BLOCK_N: tl.constexpr,
 def _tile(a_desc, b_desc, c_desc, bias_ptr, M, N, K, stride_am, off_m, off_n,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
           B_IS_NK: tl.constexpr, A_DESC: tl.constexpr, HAS_BIAS: tl.constexpr,
-          PRECISION: tl.constexpr, SWIGLU: tl.constexpr):
-    """C[off_m : off_m + BLOCK_M, off_n : off_n + BLOCK_N], one program, one accumulator.
-
-    SWIGLU: B is W [2N, K] = (gate | up) seen as [2, N, K] (b_desc 3-D), and one accumulator
-    holds gate columns off_n.. beside the up columns of the same outputs; the epilogue splits it
-    and writes C = silu(gate) * up."""
+          PRECISION: tl.constexpr):
+    """C[off_m : off_m + BLOCK_M, off_n : off_n + BLOCK_N], one program, one accumulator."""
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)
-    out_ty: tl.constexpr = c_desc.dtype if A_DESC else c_desc.dtype.element_ty
-    ACC_N: tl.constexpr = 2 * BLOCK_N if SWIGLU else BLOCK_N
-    acc = tl.zeros((BLOCK_M, ACC_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # The K order: chunk 0, 1, ... k_tiles-1, one dot each, into the same accumulator.
     # Out-of-range rows/columns/K are zero-filled by the descriptor or the load mask alike.
     for ki in range(tl.cdiv(K, BLOCK_K)):
@@ -284,32 +271,18 @@ def _tile(a_desc, b_desc, c_desc, bias_ptr, M, N, K, stride_am, off_m, off_n,
             offs_k = ki * BLOCK_K + tl.arange(0, BLOCK_K)
             a = tl.load(a_desc + offs_m[:, None] * stride_am + offs_k[None, :],
                         mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
-        if SWIGLU:  # gate rows then up rows of the same outputs: [2, BLOCK_N, BLOCK_K]
-            b = tl.reshape(b_desc.load([0, off_n, ki * BLOCK_K]), (ACC_N, BLOCK_K)).T
-        elif B_IS_NK:
+        if B_IS_NK:  # noqa: SIM108 (compile time: one branch is compiled)
             b = b_desc.load([off_n, ki * BLOCK_K]).T
         else:
             b = b_desc.load([ki * BLOCK_K, off_n])
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    if SWIGLU:
-        gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
-        if HAS_BIAS:
-            gate = gate + tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(
-                tl.float32)[None, :]
-            up = up + tl.load(bias_ptr + N + offs_n, mask=offs_n < N, other=0.0).to(
-                tl.float32)[None, :]
-        # gate and up rounded to C's dtype as a gate_up matmul stores them, then
-        # kernels.silu_and_mul's arithmetic: the bits of the two launches, in one.
-        out = silu_mul(gate.to(out_ty).to(tl.float32), up.to(out_ty).to(tl.float32), out_ty)
-    else:
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
-            acc = acc + bias.to(tl.float32)[None, :]
-        out = acc.to(out_ty)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+        acc = acc + bias.to(tl.float32)[None, :]
     if A_DESC:
-        c_desc.store([off_m, off_n], out)
+        c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
     else:
-        tl.store(c_desc + offs_m[:, None] * N + offs_n[None, :], out,
+        tl.store(c_desc + offs_m[:, None] * N + offs_n[None, :], acc.to(c_desc.dtype.element_ty),
                  mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
@@ -320,8 +293,7 @@ def _matmul_tma_kernel(a_desc, b_desc, c_desc, a2_desc, b2_desc, c2_desc, bias_p
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, TAIL_M: tl.constexpr,
                        TAIL_N: tl.constexpr, B_IS_NK: tl.constexpr, A_DESC: tl.constexpr,
                        HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-                       PREFETCH: tl.constexpr, THREADS: tl.constexpr, SWIGLU: tl.constexpr,
-                       PDL: tl.constexpr):
+                       PREFETCH: tl.constexpr, THREADS: tl.constexpr, PDL: tl.constexpr):
     if PREFETCH:  # noqa: SIM102 (compile time; the test below is a runtime one)
         # The weights (w_ptr: B as [N, K] rows, the descriptor's memory) are not the
         # predecessor's output: while this program waits for A's producer, L2 can already
@@ -334,10 +306,6 @@ def _matmul_tma_kernel(a_desc, b_desc, c_desc, a2_desc, b2_desc, c2_desc, bias_p
             _prefetch_rows((w_ptr + first.to(tl.int64) * stride_wn).to(tl.int64, bitcast=True),
                            tl.minimum(N - first, BLOCK_N), stride_wn * elem, prefetch_bytes,
                            BLOCK_N, THREADS)
-            if SWIGLU:  # the up rows of the same outputs, N rows further
-                _prefetch_rows((w_ptr + (N + first).to(tl.int64) * stride_wn).to(
-                    tl.int64, bitcast=True), tl.minimum(N - first, BLOCK_N), stride_wn * elem,
-                    prefetch_bytes, BLOCK_N, THREADS)
     pdl.enter(PDL)  # launched early, waits for A's producer (kernels/pdl.py)
     # A_DESC: A and C are TMA descriptors; otherwise plain pointers (A rows stride_am apart,
     # C rows N apart), read and written with row masks. B is always a descriptor.
@@ -347,8 +315,7 @@ def _matmul_tma_kernel(a_desc, b_desc, c_desc, a2_desc, b2_desc, c2_desc, bias_p
     for tile_id in tl.range(tl.program_id(0), num_tiles, grid_size, flatten=True):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         _tile(a_desc, b_desc, c_desc, bias_ptr, M, N, K, stride_am, pid_m * BLOCK_M,
-              pid_n * BLOCK_N, BLOCK_M, BLOCK_N, BLOCK_K, B_IS_NK, A_DESC, HAS_BIAS, PRECISION,
-              SWIGLU)
+              pid_n * BLOCK_N, BLOCK_M, BLOCK_N, BLOCK_K, B_IS_NK, A_DESC, HAS_BIAS, PRECISION)
     if TAIL_M > 0:
         # The grid's remaining tiles, each cut into SPLIT_M x SPLIT_N sub-tiles of TAIL_M x
         # TAIL_N (descriptors a2/b2/c2 have those boxes): a last wave that would leave most
@@ -363,7 +330,7 @@ def _matmul_tma_kernel(a_desc, b_desc, c_desc, a2_desc, b2_desc, c2_desc, bias_p
             _tile(a2_desc, b2_desc, c2_desc, bias_ptr, M, N, K, stride_am,
                   pid_m * BLOCK_M + (sub // SPLIT_N) * TAIL_M,
                   pid_n * BLOCK_N + (sub % SPLIT_N) * TAIL_N, TAIL_M, TAIL_N, BLOCK_K, B_IS_NK,
-                  A_DESC, HAS_BIAS, PRECISION, SWIGLU)
+                  A_DESC, HAS_BIAS, PRECISION)
 
 
 @triton.jit
@@ -394,8 +361,7 @@ def _matmul_ptr_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
              acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
-def _check(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
-           swiglu: bool = False) -> None:
+def _check(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> None:
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"matmul wants 2-D operands, got {tuple(a.shape)} and {tuple(b.shape)}")
     if a.shape[1] != b.shape[0]:
@@ -407,23 +373,6 @@ def _check(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     if bias is not None and (bias.shape != (b.shape[1],) or bias.dtype != a.dtype
                              or bias.device != a.device):
         raise ValueError(f"bias must be [{b.shape[1]}] {a.dtype} on {a.device}")
-    if swiglu and b.shape[1] % 2:
-        raise ValueError(f"matmul_silu_and_mul wants b [K, 2I] (gate | up), got {tuple(b.shape)}")
-
-
-def swiglu_config(cfg: TileConfig) -> TileConfig:
-    """The SwiGLU launch's tile for the gate_up matmul's `cfg`: block_n / 2 outputs a program,
-    whose gate and up columns fill the block_n columns of the same accumulator (8 outputs at
-    least: 16 columns, the MMA's N)."""
-    return replace(cfg, block_n=max(cfg.block_n // 2, 8),
-                   tail_n=max(cfg.tail_n // 2, 8) if cfg.tail_n else 0)
-
-
-def _launch_config(m: int, b_n: int, k: int, dtype: torch.dtype, info: DeviceInfo,
-                   swiglu: bool) -> TileConfig:
-    """The tile for B's b_n columns at M rows: the gate_up matmul's, halved for SwiGLU."""
-    cfg = pick_config(m, b_n, k, dtype, info)
-    return swiglu_config(cfg) if swiglu else cfg
 
 
 def clear_caches() -> None:
@@ -470,22 +419,16 @@ def _a_desc(m: int, cfg: TileConfig) -> bool:
 
 
 def _operands(a: torch.Tensor, a_stride0: int, bt: torch.Tensor, b_is_nk: bool,
-              c: torch.Tensor, cfg: TileConfig, a_desc: bool, swiglu: bool = False) -> tuple:
+              c: torch.Tensor, cfg: TileConfig, a_desc: bool) -> tuple:
     """The kernel's A, B, C and tail A, B, C arguments: TMA descriptors with the tiles' boxes
-    (A and C plain tensors without a_desc); without a tail, the tail's are the main ones.
-    swiglu: B is W [2N, K] seen as [2, N, K], a box holding gate and up rows of N outputs."""
+    (A and C plain tensors without a_desc); without a tail, the tail's are the main ones."""
     (m, k), n = a.shape, c.shape[1]
 
-    def b_descriptor(block_n: int) -> TensorDescriptor:
-        if swiglu:
-            return TensorDescriptor(bt, [2, n, k], [n * bt.stride(0), bt.stride(0), 1],
-                                    [2, block_n, cfg.block_k])
-        b_block = [block_n, cfg.block_k] if b_is_nk else [cfg.block_k, block_n]
-        return TensorDescriptor(bt, list(bt.shape), [bt.stride(0), 1], b_block)
-
     def three(block_m: int, block_n: int) -> tuple:
+        b_block = [block_n, cfg.block_k] if b_is_nk else [cfg.block_k, block_n]
         return (TensorDescriptor(a, [m, k], [a_stride0, 1], [block_m, cfg.block_k])
-                if a_desc else a, b_descriptor(block_n),
+                if a_desc else a,
+                TensorDescriptor(bt, list(bt.shape), [bt.stride(0), 1], b_block),
                 TensorDescriptor(c, [m, n], [n, 1], [block_m, block_n]) if a_desc else c)
 
     main = three(cfg.block_m, cfg.block_n)
@@ -504,16 +447,15 @@ def _waves(m: int, n: int, cfg: TileConfig, max_programs: int) -> tuple[int, int
 
 
 class _Launch:
-    """One (weight, tile config, A path, SwiGLU or not) on the fast path: the compiled kernel
-    and every argument that depends only on the weight, the bias and the tile choice."""
+    """One (weight, tile config, A path) on the fast path: the compiled kernel and every
+    argument that depends only on the weight, the bias and the tile choice."""
 
     def __init__(self, a: torch.Tensor, bt: torch.Tensor, b_is_nk: bool,
-                 bias: torch.Tensor | None, cfg: TileConfig, a_desc: bool, info: DeviceInfo,
-                 swiglu: bool):
+                 bias: torch.Tensor | None, cfg: TileConfig, a_desc: bool, info: DeviceInfo):
         m, k = a.shape
-        n = (bt.shape[0] if b_is_nk else bt.shape[1]) // (2 if swiglu else 1)
+        n = bt.shape[0] if b_is_nk else bt.shape[1]
         c = a.new_empty((m, n))
-        operands = _operands(a, k, bt, b_is_nk, c, cfg, a_desc, swiglu)
+        operands = _operands(a, k, bt, b_is_nk, c, cfg, a_desc)
         on = pdl.on(a)
         self.prefetch = _prefetches(a, b_is_nk)
         self.launcher = Launcher(
@@ -521,9 +463,8 @@ class _Launch:
             (*operands, bias if bias is not None else c, m, n, k, k, 1, 1, 0, bt, bt.stride(0),
              0, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.tail_m, cfg.tail_n,
              b_is_nk, a_desc, bias is not None, "ieee" if a.dtype == torch.float32 else "tf32",
-             self.prefetch, cfg.num_warps * 32, swiglu, on),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=on,
-            enable_fp_fusion=not swiglu)
+             self.prefetch, cfg.num_warps * 32, on),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=on)
         self.weight_args = (bt.data_ptr(), bt.stride(0))
         self.row_bytes = k * bt.element_size()
         # Descriptor parameters in order: A, B, C, A2, B2, C2 (B and B2 only without a_desc).
@@ -560,12 +501,9 @@ class _Weight:
     """What the fast path keeps per weight (and bias): nothing that holds the tensors."""
 
     def __init__(self, bt: torch.Tensor, b_is_nk: bool, bias: torch.Tensor | None,
-                 info: DeviceInfo, swiglu: bool):
+                 info: DeviceInfo):
         self.b_is_nk = b_is_nk
-        self.swiglu = swiglu
-        # b_n: B's columns (the weight's rows); n: C's (half of them for SwiGLU)
-        self.b_n, self.k = bt.shape if b_is_nk else (bt.shape[1], bt.shape[0])
-        self.n = self.b_n // 2 if swiglu else self.b_n
+        self.n, self.k = bt.shape if b_is_nk else (bt.shape[1], bt.shape[0])
         self.dtype = bt.dtype
         self.device = bt.get_device()
         self.info = info
@@ -575,11 +513,11 @@ class _Weight:
 
     def plan_for(self, a: torch.Tensor, bt: torch.Tensor, bias: torch.Tensor | None,
                  m: int) -> _Plan:
-        cfg = _launch_config(m, self.b_n, self.k, self.dtype, self.info, self.swiglu)
+        cfg = pick_config(m, self.n, self.k, self.dtype, self.info)
         key = (cfg, _a_desc(m, cfg))
         launch = self.by_config.get(key)
         if launch is None:
-            launch = _Launch(a, bt, self.b_is_nk, bias, cfg, key[1], self.info, self.swiglu)
+            launch = _Launch(a, bt, self.b_is_nk, bias, cfg, key[1], self.info)
             self.by_config[key] = launch
         plan = self.by_m[m] = _Plan(launch, m, self.n, self.k)
         return plan
@@ -608,37 +546,35 @@ _MAX_WEIGHTS = 4096
 _MAX_DESCRIPTORS = 64  # per launch state
 
 
-def _weight_for(key: tuple, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
-                swiglu: bool) -> _Weight | None:
-    _check(a, b, bias, swiglu)
+def _weight_for(key: tuple, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
+                ) -> _Weight | None:
+    _check(a, b, bias)
     info = device_info(b.get_device())
     bt, b_is_nk = _b_layout(b)
     ok = (info.capability >= (9, 0) and bt.data_ptr() == b.data_ptr()  # a view, not a copy
           and a.dtype in (torch.bfloat16, torch.float16, torch.float32)
-          and _tma_ok(bt, (bt.stride(0),))
-          and (b.shape[1] // (2 if swiglu else 1) * b.element_size()) % 16 == 0  # C's rows
-          and (b_is_nk or not swiglu)
+          and _tma_ok(bt, (bt.stride(0),)) and (b.shape[1] * b.element_size()) % 16 == 0
           and (b.shape[0] * b.element_size()) % 16 == 0  # A's rows, K long, TMA-addressable
           and (bias is None or bias.data_ptr() % 16 == 0) and b.shape[0] > 0
           and b.shape[1] > 0)
     if len(_WEIGHTS) >= _MAX_WEIGHTS:
         _WEIGHTS.clear()
-    weight = _Weight(bt, b_is_nk, bias, info, swiglu) if ok else None
+    weight = _Weight(bt, b_is_nk, bias, info) if ok else None
     _WEIGHTS[key] = weight
     return weight
 
 
-def _matmul_fast(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, swiglu: bool
+def _matmul_fast(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
                  ) -> torch.Tensor | None:
     """The CUDA launch with per-call host work cut to the bone; None where it does not apply
     (the JIT path below then runs the same kernels)."""
     if a.dim() != 2 or b.dim() != 2:
         return None
     key = (b.data_ptr(), b.shape, b.stride(), b.dtype,
-           bias.data_ptr() if bias is not None else 0, swiglu)
+           bias.data_ptr() if bias is not None else 0)
     weight = _WEIGHTS.get(key, False)
     if weight is False:
-        weight = _weight_for(key, a, b, bias, swiglu)
+        weight = _weight_for(key, a, b, bias)
     if weight is None:
         return None
     m, k = a.shape
@@ -671,56 +607,25 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     `config` overrides the tile choice and `a_desc` the A path (benchmarks and invariance
     checks only: both go through the JIT launch)."""
     if config is None and a_desc is None and a.is_cuda:
-        out = _matmul_fast(a, b, bias, False)
+        out = _matmul_fast(a, b, bias)
         if out is not None:
             return out
-    return _matmul_jit(a, b, bias, config, a_desc, False)
-
-
-def matmul_silu_and_mul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
-                        config: TileConfig | None = None, a_desc: bool | None = None
-                        ) -> torch.Tensor:
-    """SwiGLU's first half in one launch: a [M, K] @ b [K, 2I] (+ bias [2I]) = (gate | up) ->
-    silu(gate) * up [M, I], bit for bit `silu_and_mul(matmul(a, b, bias))`: gate and up
-    columns of the same outputs share one accumulator (each column its own K chain, the
-    same as in the matmul), are rounded to a's dtype as its store would, and the epilogue is
-    kernels/activation_triton.py's arithmetic (fp fusion off in both). The [M, 2I]
-    intermediate is neither written nor read, and one launch is saved.
-
-    b must be W.t() of W [2I, K] (a Linear's weight); `config` is the fused launch's own tile
-    (block_n outputs: block_n gate and block_n up columns). Otherwise, and without the TMA
-    kernel (before Hopper), the two launches run."""
-    if config is None and a_desc is None and a.is_cuda:
-        out = _matmul_fast(a, b, bias, True)
-        if out is not None:
-            return out
-    return _matmul_jit(a, b, bias, config, a_desc, True)
-
-
-def _matmul_jit(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
-                config: TileConfig | None, a_desc: bool | None, swiglu: bool) -> torch.Tensor:
-    """The launch through Triton's JIT: every shape, layout and override."""
-    _check(a, b, bias, swiglu)
+    _check(a, b, bias)
     m, k = a.shape
     n = b.shape[1]
     if m == 0 or n == 0 or k == 0:
         out = torch.zeros((m, n), dtype=a.dtype, device=a.device)
-        out = out + bias if bias is not None else out
-        return silu_and_mul(out) if swiglu else out
+        return out + bias if bias is not None else out
     if a.stride(1) != 1 or (m > 1 and a.stride(0) < k):
         a = a.contiguous()
     a_stride0 = a.stride(0) if m > 1 else k
     bt, b_is_nk = _b_layout(b)
     info = device_info(a.device.index if a.device.type == "cuda" else None)
+    cfg = config or pick_config(m, n, k, a.dtype, info)
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
-    c_n = n // 2 if swiglu else n  # C's columns
     use_tma = (info.capability >= (9, 0) or info.capability == (0, 0)) and \
         _tma_ok(a, (a_stride0,)) and _tma_ok(bt, (bt.stride(0),)) and \
-        (c_n * a.element_size()) % 16 == 0
-    if swiglu and not (use_tma and b_is_nk):  # the two launches: the same bits
-        return silu_and_mul(_matmul_jit(a, b, bias, None, a_desc, False))
-    cfg = config or _launch_config(m, n, k, a.dtype, info, swiglu)
-    n = c_n
+        (n * a.element_size()) % 16 == 0
     c = torch.empty((m, n), dtype=a.dtype, device=a.device)
     bias_arg = bias if bias is not None else c
     launch = pdl.options(a)
@@ -729,14 +634,14 @@ def _matmul_jit(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
         whole, grid, sub = _waves(m, n, cfg, info.num_sms * cfg.ctas_per_sm)
         prefetch = _prefetches(a, b_is_nk)
         _matmul_tma_kernel[(grid,)](
-            *_operands(a, a_stride0, bt, b_is_nk, c, cfg, desc, swiglu), bias_arg, m, n, k,
-            a_stride0, whole, grid, sub, bt, bt.stride(0),
+            *_operands(a, a_stride0, bt, b_is_nk, c, cfg, desc), bias_arg, m, n, k, a_stride0,
+            whole, grid, sub, bt, bt.stride(0),
             prefetch_bytes(m, k * a.element_size()) if prefetch else 0,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             TAIL_M=cfg.tail_m, TAIL_N=cfg.tail_n, B_IS_NK=b_is_nk, A_DESC=desc,
             HAS_BIAS=bias is not None, PRECISION=precision, PREFETCH=prefetch,
-            THREADS=cfg.num_warps * 32, SWIGLU=swiglu, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, enable_fp_fusion=not swiglu, **launch)
+            THREADS=cfg.num_warps * 32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **launch)
     else:
         stride_bk, stride_bn = (bt.stride(1), bt.stride(0)) if b_is_nk else bt.stride()
         grid = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)

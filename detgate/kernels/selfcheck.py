@@ -40,8 +40,6 @@ class Check:
     shape: str
     width: int  # input row width
     run: Callable[[torch.Tensor], torch.Tensor]  # rows [R, width] -> [R, ...]
-    # The same op as separate launches (a fused kernel's parts): must give the batch's bits.
-    unfused: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def first_difference(check: Check, dtype: torch.dtype, device: torch.device,
@@ -51,8 +49,6 @@ def first_difference(check: Check, dtype: torch.dtype, device: torch.device,
     total = max(row_counts) + max(offsets)
     x = torch.randn(total, check.width, generator=gen).to(device=device, dtype=dtype)
     full = check.run(x)
-    if check.unfused is not None and not same_bits(check.unfused(x), full):
-        return f"a batch of {total} rows differs from the same op in separate launches"
     for off in offsets:
         for m in row_counts:
             if not same_bits(check.run(x[off:off + m]), full[off:off + m]):
@@ -87,17 +83,17 @@ def quantised_difference(check: Check, dequantised: torch.Tensor) -> str | None:
 
 
 def model_checks(linears: dict[str, torch.Tensor], hidden: int, head_dim: int,
-                 vocab: int | None = None, fused_swiglu: bool = False) -> list[Check]:
+                 vocab: int | None = None) -> list[Check]:
     """The checks for a decoder: each distinct matmul weight shape, RMSNorm over the hidden
-    size and the head dim, SwiGLU's silu * up (and, fused_swiglu, the gate | up matmul with it
-    in one launch), and log_softmax over the vocabulary."""
+    size and the head dim, SwiGLU's silu * up, and log_softmax over the vocabulary."""
     checks, seen = [], set()
     for name, weight in linears.items():
         if tuple(weight.shape) not in seen:
             seen.add(tuple(weight.shape))
             checks.append(linear_check(name, weight))
             if name.endswith("gate_up_proj"):
-                checks += swiglu_checks(name, weight)[:None if fused_swiglu else 1]
+                checks.append(Check("silu_and_mul", f"I={weight.shape[0] // 2}",
+                                    weight.shape[0], kernels.silu_and_mul))
     for h in sorted({hidden, head_dim}):
         w = torch.ones(h)
         checks.append(Check("rms_norm", f"H={h}", h,
@@ -105,18 +101,6 @@ def model_checks(linears: dict[str, torch.Tensor], hidden: int, head_dim: int,
     if vocab:
         checks.append(Check("log_softmax", f"V={vocab}", vocab, kernels.log_softmax))
     return checks
-
-
-def swiglu_checks(name: str, weight: torch.Tensor) -> list[Check]:
-    """silu_and_mul over 2I, and the fused gate | up matmul with it (on MAX_COLUMNS / 2 gate
-    rows and their up rows of `weight` [2I, K]) against the two launches."""
-    half, k = weight.shape[0] // 2, weight.shape[1]
-    cols = min(half, MAX_COLUMNS // 2)
-    pair = torch.cat([weight[:cols], weight[half:half + cols]])
-    return [Check("silu_and_mul", f"I={half}", weight.shape[0], kernels.silu_and_mul),
-            Check("matmul_silu_and_mul", f"{name} K={k} I={half}", k,
-                  lambda x: kernels.matmul_silu_and_mul(x, pair.t()),
-                  unfused=lambda x: kernels.silu_and_mul(kernels.matmul(x, pair.t())))]
 
 
 def attention_difference(hq: int, hkv: int, head_dim: int, dtype: torch.dtype,

@@ -14,7 +14,6 @@ import torch
 
 from detgate.kernels import selfcheck
 from detgate.worker.model.loader import LoadedModel
-from detgate.worker.model.ops import BatchInvariantOps
 
 log = logging.getLogger("detgate.worker")
 
@@ -27,8 +26,7 @@ def check(loaded: LoadedModel) -> float:
         model.model.embed_tokens.weight
     linears["lm_head"] = head
     checks = selfcheck.model_checks(linears, config.hidden_size, config.head_dim,
-                                    config.vocab_size,
-                                    fused_swiglu=BatchInvariantOps.fuse_swiglu)
+                                    config.vocab_size)
     quantised = _quantised_checks(model, linears)
     device = head.device
     try:

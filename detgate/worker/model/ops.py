@@ -19,10 +19,8 @@ Default mode, by device:
   kernel as batch_invariant (kernels.attention: K/V stored, then read through the block
   table, no gather), so default-mode steps are captured in the same CUDA graphs; the same
   fused launches as batch_invariant for what is pointwise or per head (q/k norm + rotary +
-  K/V store, kernels/qkv_triton.py), as vLLM fuses them; SwiGLU as vLLM runs it, the gate |
-  up matmul then one silu-and-mul launch (kernels/activation_triton.py; batch_invariant can
-  apply that arithmetic in its matmul's epilogue instead, `fuse_swiglu`, for which cuBLAS has
-  no epilogue); F.log_softmax.
+  K/V store, kernels/qkv_triton.py; silu-and-mul, kernels/activation_triton.py), as vLLM
+  fuses them; F.log_softmax.
 - CPU: plain torch as before (MKL matmuls, torch's RMSNorm math, SDPA over the gathered
   cache): the CPU tests' negative controls rely on it differing between batch compositions.
 """
@@ -99,21 +97,11 @@ class DefaultOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def linear_silu_and_mul(self, x: torch.Tensor, weight: torch.Tensor,
-                            bias: torch.Tensor | None = None) -> torch.Tensor:
-        # Two launches, as vLLM runs SwiGLU: cuBLAS has no silu-and-mul epilogue.
-        return self.silu_and_mul(self.linear(x, weight, bias))
-
 
 class BatchInvariantOps:
     """Every reduction through `kernels`: one order per output element, whatever the batch."""
 
     mode = "batch_invariant"
-    # SwiGLU's matmul and activation in one launch on CUDA (kernels.matmul_silu_and_mul; the
-    # bits are the same either way). Off until the one-accumulator launch is measured on the
-    # H200: the two-accumulator one it replaced was slower than two launches
-    # (bench/results/README-gpu.md, 2026-12-03); `decode_ab --fused-swiglu` measures it.
-    fuse_swiglu = False
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor | QuantisedWeight,
@@ -156,18 +144,6 @@ class BatchInvariantOps:
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return kernels.silu_and_mul(gate_up)
-
-    def linear_silu_and_mul(
-        self, x: torch.Tensor, weight: torch.Tensor | QuantisedWeight,
-        bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """silu_and_mul(linear(x, weight, bias)) for SwiGLU's packed gate | up weight [2I, K].
-        On CUDA one launch, bit for bit the two (kernels.matmul_silu_and_mul): the [.., 2I]
-        intermediate is neither written nor read."""
-        if x.is_cuda and self.fuse_swiglu and isinstance(weight, torch.Tensor):
-            out = kernels.matmul_silu_and_mul(x.reshape(-1, x.shape[-1]), weight.t(), bias)
-            return out.reshape(*x.shape[:-1], out.shape[-1])
-        return self.silu_and_mul(self.linear(x, weight, bias))
 
 
 Ops = DefaultOps | BatchInvariantOps

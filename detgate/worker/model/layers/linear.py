@@ -44,10 +44,6 @@ class Linear(nn.Module):
         """(start, size) of checkpoint shard `index` along the output dimension."""
         return sum(self.shard_sizes[:index]), self.shard_sizes[index]
 
-    @property
-    def operand(self) -> torch.Tensor | QuantisedWeight:
-        """The weight the matmul reads: the GGUF blocks when set, else `weight`."""
-        return self.weight if self.quantised is None else self.quantised
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.operand, self.bias)
+        weight = self.weight if self.quantised is None else self.quantised
+        return self.ops.linear(x, weight, self.bias)

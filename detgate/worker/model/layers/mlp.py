@@ -19,6 +19,4 @@ class SwiGLU(nn.Module):
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # silu_and_mul(gate_up_proj(x)), in one launch where the ops fuse it (same bits)
-        gate_up = self.gate_up_proj
-        return self.down_proj(self.ops.linear_silu_and_mul(x, gate_up.operand, gate_up.bias))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
