@@ -158,14 +158,18 @@ def test_a_record_is_acknowledged_once_a_replica_has_it(cluster, start_gateway, 
                           env={"DETGATE_REDIS_WAIT_TIMEOUT_MS": "100"})
     alone = start_gateway(workers, redis=cluster.url, env={"DETGATE_REDIS_WAIT_REPLICAS": "0"})
     model = model_of(workers[0])
+    cluster.wait_ok(pairs=True)
     master = cluster.master_of(Keys(waits.prefix).index("default"))
-    replica = cluster.replica_of(master)
-    os.kill(replica.proc.pid, signal.SIGSTOP)
+    replicas = cluster.replicas_of(master)
+    assert len(replicas) == 1, cluster.state()
+    for replica in replicas:
+        os.kill(replica.proc.pid, signal.SIGSTOP)
     try:
         outcomes = [send(gw.url, body(model, i, stream=i % 2 == 0))
                     for gw in (waits, alone) for i in range(4)]
     finally:
-        os.kill(replica.proc.pid, signal.SIGCONT)
+        for replica in replicas:
+            os.kill(replica.proc.pid, signal.SIGCONT)
     assert all(o["ok"] for o in outcomes), outcomes
     spooled = [gw.metric("detgate_records_total", result="spooled") for gw in (waits, alone)]
     stored = [gw.metric("detgate_records_total", result="stored") for gw in (waits, alone)]
@@ -193,6 +197,7 @@ def test_a_cluster_master_killed_under_200_concurrent_requests(cluster, start_ga
     gw = start_gateway(workers, redis=cluster.url, api_keys=KEYS,
                        env={"DETGATE_QUEUE_FACTOR": "4", "DETGATE_TENANT_LIMITS": limits})
     keys = Keys(gw.prefix)
+    cluster.wait_ok(pairs=True)  # the victim has its replica (the test before stopped it)
     victim = cluster.master_of(keys.index("alice"))
     model = model_of(workers[0])
     tenants = ["alice", "alice", "bob", "carol"]
@@ -210,7 +215,7 @@ def test_a_cluster_master_killed_under_200_concurrent_requests(cluster, start_ga
     cluster.wait_ok()  # the victim's replica serves its slots
     failover_s = time.monotonic() - killed_at[0]
     victim.start()  # back, as a replica of the promoted one (a restarted pod)
-    cluster.wait_ok()
+    cluster.wait_ok(pairs=True)
     wait_drained(gw.url, timeout=120)
     drained_s = time.monotonic() - killed_at[0]
     ok = [(tenants[i % 4], o) for i, o in enumerate(outcomes) if o["ok"]]

@@ -29,7 +29,10 @@ def missing_tools() -> str | None:
     return f"{' and '.join(absent)} not installed" if absent else None
 
 
-def _wait(condition, what: str, timeout: float = 30.0) -> None:
+def _wait(condition, what: str, timeout: float = 30.0,
+          state: Callable[[], str] | None = None) -> None:
+    """Poll `condition` until true; past `timeout`, TimeoutError with `state()` (what the
+    servers say now) in its message."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -38,7 +41,13 @@ def _wait(condition, what: str, timeout: float = 30.0) -> None:
         except (redis.RedisError, OSError):
             pass
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not within {timeout:g}s")
+            seen = ""
+            if state is not None:
+                try:
+                    seen = f"; the servers say:\n{state()}"
+                except (redis.RedisError, OSError) as exc:
+                    seen = f"; the servers did not answer ({exc!r})"
+            raise TimeoutError(f"{what} not within {timeout:g}s{seen}")
         time.sleep(0.05)
 
 
@@ -114,16 +123,24 @@ class Cluster:
             node = client.get_node_from_key(key)
         return next(s for s in self.servers if s.port == int(node.port))
 
-    def replica_of(self, master: Server) -> Server:
-        for server in self.alive():
-            info = server.info("replication")
-            if info["role"] == "slave" and int(info["master_port"]) == master.port:
-                return server
-        raise LookupError(f"no live replica of {master.port}")
+    def replicas_of(self, master: Server) -> list[Server]:
+        """The replicas `master` itself lists as connected (its view, the one WAIT counts)."""
+        info = master.info("replication")
+        ports = {int(info[f"slave{i}"]["port"]) for i in range(info["connected_slaves"])}
+        return [s for s in self.servers if s.port in ports]
 
-    def wait_ok(self, timeout: float = 30.0) -> None:
+    def state(self) -> str:
+        """CLUSTER NODES as the first live node sees it: for a failure's message."""
+        with self.alive()[0].client() as client:
+            nodes = client.execute_command("CLUSTER", "NODES")
+        return nodes.decode() if isinstance(nodes, bytes) else str(nodes)
+
+    def wait_ok(self, timeout: float = 30.0, *, pairs: bool = False) -> None:
         """Every live node sees the cluster ok, every slot served by a live master (after a
-        master was killed: once its replica took over), and every live replica in sync."""
+        master was killed: once its replica took over), and every live replica in sync.
+        `pairs`: also every master with exactly one replica connected, as the cluster was
+        made (a test that stops or kills a master's replica needs that shape: on a loaded
+        machine a node can miss the node timeout, fail over and come back elsewhere)."""
         def ok() -> bool:
             for server in self.alive():
                 with server.client() as client:
@@ -135,15 +152,18 @@ class Cluster:
                 info = server.info("replication")
                 if info["role"] == "slave" and info["master_link_status"] != "up":
                     return False
+                if pairs and info["role"] == "master" and info["connected_slaves"] != 1:
+                    return False
             return True
-        _wait(ok, "cluster state ok", timeout)
+        _wait(ok, "cluster state ok" + (", a replica per master" if pairs else ""), timeout,
+              self.state)
 
     def stop(self) -> None:
         for server in self.servers:
             server.stop()
 
 
-def start_cluster(folder: Path, masters: int = 3, node_timeout_ms: int = 1000) -> Cluster:
+def start_cluster(folder: Path, masters: int = 3, node_timeout_ms: int = 2000) -> Cluster:
     """`masters` masters and as many replicas; a replica is promoted `node_timeout_ms` (and an
     election) after its master stops answering."""
     servers = []
@@ -164,7 +184,7 @@ def start_cluster(folder: Path, masters: int = 3, node_timeout_ms: int = 1000) -
                         *(f"127.0.0.1:{s.port}" for s in servers),
                         "--cluster-replicas", "1", "--cluster-yes"],
                        check=True, capture_output=True, timeout=60)
-        cluster.wait_ok()
+        cluster.wait_ok(pairs=True)
     except BaseException:
         cluster.stop()
         raise
