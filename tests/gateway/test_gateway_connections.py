@@ -74,17 +74,17 @@ def keepalive_1s_workers(start_workers_module):
 
 def test_bursts_with_idle_gaps_eject_no_worker(start_gateway, keepalive_1s_workers):
     """The gateway misconfigured to keep idle connections (30 s) far longer than the workers
-    (1 s), bursts of 30 after gaps around 1 s: 2,100 requests, every one answered, no worker
+    (1 s), bursts of 30 after gaps around 1 s: 1,500 requests, every one answered, no worker
     ejected (a connection the worker closed as it was reused is sent again, fresh)."""
     workers = keepalive_1s_workers
     model = model_of(workers[0].url)
     gw = start_gateway([w.url for w in workers], env={"DETGATE_UPSTREAM_KEEPALIVE_S": "30"})
-    statuses = asyncio.run(_bursts(gw.url, model, bursts=70, size=30, gap_s=(0.9, 1.2)))
+    statuses = asyncio.run(_bursts(gw.url, model, bursts=50, size=30, gap_s=(0.9, 1.2)))
     reconnects = sum(gw.metric("detgate_upstream_reconnects_total", worker=w.url)
                      for w in workers)
     print(f"misconfigured keep-alive: {len(statuses)} requests, {reconnects:g} resent on a "
           f"fresh connection, {ejections(gw)} ejections")
-    assert len(statuses) >= 2000
+    assert len(statuses) >= 1500
     assert [s for s in statuses if s != 200] == []
     assert ejections(gw) == 0
     assert all(gw.metric("detgate_worker_up", worker=w.url) == 1 for w in workers)
