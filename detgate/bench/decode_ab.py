@@ -13,8 +13,11 @@ engine picks it; `--tiles m16n64w4s3,...` adds decode launches with other tiles 
 warps, stages); `--prefetch 0,2048,...` adds the decode variant with each matmul weight
 prefetch (bytes per weight row, kernels/matmul_triton.py PREFETCH_ROW_BYTES; 0: none);
 `--table FILE` adds the decode variant with the matmul tile table of a `kernels_proof --tune`
-run (its gpu_kernels.json) merged over the shipped one. Writes OUT_DIR/decode-ab.json (median
-ms per variant and batch, every round's).
+run (its gpu_kernels.json) merged over the shipped one; `--kv-split 128,256,...` adds the decode
+variant with each attention KV split size (kernels/attention_triton.py KV_SPLIT: positions per
+split, part of the numerics, so its bits differ from the shipped split's; a context longer
+than a split runs the split launch at small batches). Writes OUT_DIR/decode-ab.json (median ms
+per variant and batch, every round's).
 """
 
 from __future__ import annotations
@@ -108,6 +111,8 @@ def main() -> int:
                    "more decode variants")
     p.add_argument("--table", default="", help="kernels_proof's gpu_kernels.json: add the "
                    "decode variant with its tuned matmul table")
+    p.add_argument("--kv-split", default="", help="attention KV split sizes (multiples of "
+                   "BLOCK_N), for more decode variants")
     args = p.parse_args()
     variants = dict(VARIANTS)
     shipped_table = dict(matmul_triton.TUNED_16BIT)
@@ -120,6 +125,14 @@ def main() -> int:
     for value in filter(None, args.prefetch.split(",")):
         name = f"decode_pf{int(value)}"
         variants[name], prefetch[name] = VARIANTS["decode"], int(value)
+        args.variants += f",{name}"
+    shipped_split = attention_triton.KV_SPLIT
+    kv_split: dict[str, int] = {}  # variant -> attention KV split, if not shipped's
+    for value in filter(None, args.kv_split.split(",")):
+        if int(value) % SHIPPED[1]:
+            p.error(f"--kv-split: {value} is not a multiple of BLOCK_N ({SHIPPED[1]})")
+        name = f"decode_kv{int(value)}"
+        variants[name], kv_split[name] = VARIANTS["decode"], int(value)
         args.variants += f",{name}"
     for name in filter(None, args.tiles.split(",")):
         config = tuple(int(x) for x in re.findall(r"\d+", name))
@@ -145,6 +158,7 @@ def main() -> int:
             at = attention_triton
             at.DECODE_TILE = tiles is not None
             rows, at.BLOCK_N, warps, stages = tiles or DECODE_SHIPPED
+            at.KV_SPLIT = kv_split.get(name, shipped_split)
             at.DECODE_BLOCK_M, at.DECODE_NUM_WARPS, at.DECODE_NUM_STAGES = rows, warps, stages
             table = tables.get(name, shipped_table)
             if table != matmul_triton.TUNED_16BIT:
@@ -166,6 +180,7 @@ def main() -> int:
     result = {"environment": environment("cuda"), "args": vars(args),
               "variants": {n: variants[n] for n in names},
               "prefetch_row_bytes": {n: prefetch.get(n, shipped_prefetch) for n in names},
+              "kv_split": {n: kv_split.get(n, shipped_split) for n in names},
               "matmul_tables": {n: {f"{nk[0]},{nk[1]}": v for nk, v in t.items()}
                                 for n, t in tables.items()},
               "median_ms": median, "runs": runs,
