@@ -86,14 +86,14 @@ def time_variant(runner, batch: int, context: int, decode: bool, reps: int) -> f
 
 
 def tuned_table(shipped: dict, path: str) -> dict:
-    """The shipped TUNED_16BIT with a kernels_proof --tune run's entries: its buckets up to
-    the last M it timed, the shipped ones above."""
+    """The shipped TUNED_16BIT with a kernels_proof --tune run's buckets merged in (the
+    shipped ones kept below and above the Ms it timed: matmul_triton.merge_tuned)."""
     tuned = json.loads(Path(path).read_text())["explore"]["table"]
     table = dict(shipped)
     for key, entries in tuned.items():
         n, k = (int(x) for x in key.split(","))
-        new = [(int(m), str(c)) for m, c in entries]
-        table[(n, k)] = (*new, *((m, c) for m, c in shipped.get((n, k), ()) if m > new[-1][0]))
+        table[(n, k)] = matmul_triton.merge_tuned(
+            shipped.get((n, k), ()), tuple((int(m), str(c)) for m, c in entries))
     return table
 
 

@@ -118,12 +118,14 @@ def cross_config_bits() -> dict:
 STICKY = 0.98
 
 
-def bucket_samples(m_values: tuple[int, ...], spread: int) -> list[tuple[int, list[int]]]:
+def bucket_samples(m_values: tuple[int, ...], spread: int, floor: int = 0
+                   ) -> list[tuple[int, list[int]]]:
     """(bucket upper bound, the Ms timed for it): the bound alone, or with spread > 1 that many
-    sizes spaced evenly over the bucket (previous bound, bound], the bound last. A tile choice's
-    worth can change inside a bucket (a tail's with the exact tile count), so a choice timed
-    at the bound alone may not hold for the sizes below it."""
-    buckets, prev = [], 0
+    sizes spaced evenly over the bucket (previous bound, bound], the bound last; the first
+    bucket starts after `floor` (matmul_triton.bucket_floor: where the shipped table's bucket
+    below it ends). A tile choice's worth can change inside a bucket (a tail's with the exact
+    tile count), so a choice timed at the bound alone may not hold for the sizes below it."""
+    buckets, prev = [], floor
     for m in m_values:
         sizes = {prev + max(1, round((m - prev) * (i + 1) / spread)) for i in range(spread)}
         buckets.append((m, sorted(sizes)))
@@ -157,7 +159,8 @@ def explore(shapes: list[str] | None = None, m_values: tuple[int, ...] = bench.M
             continue
         weights = bench.matmul_weights(n, k)
         entries = []
-        for m, sizes in bucket_samples(m_values, spread):
+        shipped = mm.TUNED_16BIT.get((n, k), ())
+        for m, sizes in bucket_samples(m_values, spread, mm.bucket_floor(shipped, m_values[0])):
             rows = [_candidate_ms(n, k, size, weights) for size in sizes]
             row = {c: sum(r[c] for r in rows) / len(rows)
                    for c in rows[0] if all(c in r for r in rows)}
@@ -176,7 +179,8 @@ def explore(shapes: list[str] | None = None, m_values: tuple[int, ...] = bench.M
                 + (f"  over M = {sizes}" if len(sizes) > 1 else ""))
         del weights
         torch.cuda.empty_cache()
-        table[(n, k)] = tuple(entries)
+        # The buckets tuned, the shipped ones below and above them
+        table[(n, k)] = mm.merge_tuned(shipped, tuple(entries))
     mm.TUNED_16BIT.update(table)
     mm.clear_caches()  # the fast path keeps each weight's tile choice
     return {"timings": timings, "table": {f"{n},{k}": v for (n, k), v in table.items()}}

@@ -191,6 +191,32 @@ def device_info(index: int | None) -> DeviceInfo:
     return DeviceInfo(num_sms=props.multi_processor_count, capability=(props.major, props.minor))
 
 
+Table = tuple[tuple[int, str], ...]  # one weight's (M upper bound, config name), increasing M
+
+
+def bucket_floor(table: Table, m: int) -> int:
+    """Where the bucket holding M starts in `table` (exclusive): the last bound below M, 0 if
+    none. A tune that times buckets from M on starts its first one there."""
+    return max((upper for upper, _ in table if upper < m), default=0)
+
+
+def merge_tuned(shipped: Table, tuned: Table) -> Table:
+    """One weight's table after a tune of some of its buckets: `tuned` covers M from
+    bucket_floor(shipped, its first bound) up to its last bound; below and above that the
+    shipped buckets stay (the first one above now starts where `tuned` ends). Neighbouring
+    buckets of one config become one."""
+    if not tuned:
+        return shipped
+    low, high = bucket_floor(shipped, tuned[0][0]), tuned[-1][0]
+    merged: list[tuple[int, str]] = []
+    for upper, name in (*((u, c) for u, c in shipped if u <= low), *tuned,
+                        *((u, c) for u, c in shipped if u > high)):
+        if merged and merged[-1][1] == name:
+            merged.pop()  # one bucket up to this bound
+        merged.append((upper, name))
+    return tuple(merged)
+
+
 def pick_config(m: int, n: int, k: int, dtype: torch.dtype, info: DeviceInfo) -> TileConfig:
     """Tile shape from the problem's shape. Any choice is safe for invariance (see module doc);
     this only trades parallelism (enough programs to stream the weights at small M) against
