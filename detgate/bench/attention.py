@@ -9,9 +9,10 @@ CUDA: Qwen3-8B's attention (32 q heads, 8 kv heads, head dim 128, bf16, cache bl
   same run; SDPA reads the same K/V from contiguous tensors (no paging).
 - prefill: B fresh prompts of L tokens, causal; SDPA is the flash kernel (K/V expanded to 32
   heads); `ratio` = SDPA time / our time (above 1: we are faster).
-Each of our rows names its tile configuration (BLOCK_M, BLOCK_N, warps, stages) and launch
+Each of our rows names its tile configuration (BLOCK_M, BLOCK_N, warps, stages), launch
 shape (fused, split, or auto = what paged_attention picks; all three for the shipped
-configuration).
+configuration) and KV split (positions per split, part of the numerics: the shipped
+configuration also runs with each of OTHER_KV_SPLITS, auto launch, whose bits differ).
 CPU: the tiny model's attention (8 q / 2 kv heads of 32, fp32): our CPU kernel vs the default
 mode's padded SDPA over the gathered cache, timed on the host (minimum over interleaved
 repetitions); `ratio` = SDPA time / our time.
@@ -35,6 +36,9 @@ DECODE_SHAPES = [(1, 4096), (16, 4096), (64, 4096), (128, 4096), (32, 8192), (25
                  (4, 65536), (1, 256), (64, 256), (256, 256)]
 PREFILL_SHAPES = [(1, 1024), (4, 2048), (1, 4096), (1, 8192)]
 BLOCK_SIZE = 16
+# KV split sizes timed beside the shipped one (kernels/attention_triton.py KV_SPLIT): smaller
+# splits give one long sequence more programs, and cost every query a merge per split.
+OTHER_KV_SPLITS = (256, 128)
 
 
 def _cuda_ms(fn: Callable[[], object], reps: int = 5) -> float:
@@ -90,6 +94,23 @@ def _set_tiles(at, values) -> None:
         setattr(at, name, value)
 
 
+def _variants(at) -> list[tuple[TileConfig, int]]:
+    """(tile configuration, KV split) pairs to time: every configuration at the shipped split,
+    the shipped configuration at each other split."""
+    return [*((c, at.KV_SPLIT) for c in CONFIGS), *((SHIPPED, s) for s in OTHER_KV_SPLITS)]
+
+
+def _with_split(at, kv_split: int, fn: Callable[[], object]) -> Callable:
+    """fn, run with the kernel module's KV split set to `kv_split`."""
+    def call():
+        saved, at.KV_SPLIT = at.KV_SPLIT, kv_split
+        try:
+            return fn()
+        finally:
+            at.KV_SPLIT = saved
+    return call
+
+
 def _cuda_rows() -> list[dict]:
     at = import_module("detgate.kernels.attention_triton")
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -103,14 +124,16 @@ def _cuda_rows() -> list[dict]:
             q4, k, v, enable_gqa=True))
         kv_bytes = 2 * k.numel() * k.element_size()
         del k, v
-        for config in CONFIGS:
+        for config, kv_split in _variants(at):
             launches = (("auto", None), ("fused", False), ("split", True))
-            for launch, split in launches if config == SHIPPED else launches[:1]:
+            shipped = config == SHIPPED and kv_split == at.KV_SPLIT
+            for launch, split in launches if shipped else launches[:1]:
                 call = functools.partial(at.paged_attention, **inp, decode=True,
                                          split_programs=split)
-                ms = _cuda_ms(_with_config(at, config, call))
+                ms = _cuda_ms(_with_split(at, kv_split, _with_config(at, config, call)))
                 rows.append({"op": "attention_decode", "batch": batch, "context": seq_len,
                              "config": config_name(config), "launch": launch,
+                             "kv_split": kv_split,
                              "ours_ms": ms, "sdpa_ms": sdpa_ms, "ratio": sdpa_ms / ms,
                              "kv_tb_s": kv_bytes / (ms * 1e-3) / 1e12,
                              "sdpa_kv_tb_s": kv_bytes / (sdpa_ms * 1e-3) / 1e12,
@@ -128,11 +151,11 @@ def _cuda_rows() -> list[dict]:
                 q4, k, v, is_causal=True))
         del k, v
         flops = 4 * batch * QWEN3_8B["hq"] * QWEN3_8B["d"] * seq_len * (seq_len + 1) / 2
-        for config in CONFIGS:
+        for config, kv_split in _variants(at):
             call = functools.partial(at.paged_attention, **inp)
-            ms = _cuda_ms(_with_config(at, config, call))
+            ms = _cuda_ms(_with_split(at, kv_split, _with_config(at, config, call)))
             rows.append({"op": "attention_prefill", "batch": batch, "seq_len": seq_len,
-                         "config": config_name(config), "launch": "auto",
+                         "config": config_name(config), "launch": "auto", "kv_split": kv_split,
                          "ours_ms": ms, "sdpa_ms": sdpa_ms, "ratio": sdpa_ms / ms,
                          "ours_tflop_s": flops / (ms * 1e-3) / 1e12,
                          "sdpa_tflop_s": flops / (sdpa_ms * 1e-3) / 1e12})
