@@ -5,6 +5,8 @@ client (detgate/bench/model.py's: C concurrent streamed greedy chats of T tokens
 - batch_invariant, the GGUF's quantised blocks read in place (`--weights-format quantised`);
 - batch_invariant on the dequantised fp32 weights (`--weights-format fp32`);
 - default mode (torch's MKL kernels on the fp32 weights);
+- batch_invariant on the quantised blocks with one thread (OMP_NUM_THREADS=1): the scaling
+  from one core to all of them;
 - llama.cpp's llama-server on the GGUF file itself, C slots, in three settings: as many
   threads as the worker has cores; the same with `--poll 0` (its threads sleep rather than
   spin while they wait, as our workers' OpenMP threads do); one thread. The ratios are taken
@@ -46,7 +48,12 @@ OURS = {
     "batch_invariant_quantised": ["--mode", "batch_invariant", "--weights-format", "quantised"],
     "batch_invariant_fp32": ["--mode", "batch_invariant", "--weights-format", "fp32"],
     "default": ["--mode", "default"],
+    # The same worker on one thread: how it scales from one core to the machine's.
+    "batch_invariant_quantised_1thread": ["--mode", "batch_invariant", "--weights-format",
+                                          "quantised"],
 }
+# name -> environment beyond the worker's own (torch's thread count)
+OURS_ENV = {"batch_invariant_quantised_1thread": {"OMP_NUM_THREADS": "1"}}
 # name -> (threads, extra llama-server flags); threads None: the worker's cores
 LLAMAS = {"llama.cpp": (None, []), "llama.cpp_poll0": (None, ["--poll", "0"]),
           "llama.cpp_1thread": (1, [])}
@@ -109,7 +116,7 @@ class Server:
 def start_ours(name: str, model: str, concurrency: int, log: Path) -> Server:
     args = [sys.executable, "-m", "detgate.cli", "worker", "--model", model, "--dtype",
             "float32", "--max-num-seqs", str(max(concurrency, 1)), *OURS[name]]
-    return Server(args, {"DETGATE_STATE_DIR": str(state_dir())}, log)
+    return Server(args, {"DETGATE_STATE_DIR": str(state_dir()), **OURS_ENV.get(name, {})}, log)
 
 
 def start_llama(name: str, binary: Path, gguf: Path, concurrency: int, log: Path
@@ -202,7 +209,8 @@ def main(args) -> int:
         "llama_server_args": {n: {"threads": t or cores(), "flags": f, "slots": args.concurrency,
                                   "context": args.concurrency * CONTEXT_PER_SLOT}
                               for n, (t, f) in LLAMAS.items()},
-        "worker_env": {"OMP_WAIT_POLICY": "PASSIVE (detgate worker's default on the CPU)"},
+        "worker_env": {"OMP_WAIT_POLICY": "PASSIVE (detgate worker's default on the CPU)",
+                       **{n: env for n, env in OURS_ENV.items()}},
         "reference_llama": references.get("llama.cpp_best"),
         "servers": results, "tokens_per_s_ratios": ratios, "skipped": skipped,
     }
