@@ -83,8 +83,16 @@ def dequantise(w: QuantisedWeight) -> torch.Tensor:
     return load().dequantise(w.blocks, w.type_id, w.k)
 
 
+def _fp32(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 for t in tensors)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., H] -> weight * (x / rms(x)) with the statistic in fp32, result in x's dtype."""
+    """x [..., H] -> weight * (x * inv_rms(x)) with the statistic in fp32, result in x's dtype.
+    fp32: one compiled call, the bits of the torch composition below (each product rounded
+    once, in that order: csrc scale_row)."""
+    if _fp32(x, weight):
+        return load().rms_norm(_rows(x), weight.contiguous(), eps).view(x.shape)
     xf = x.float()
     inv = load().inv_rms(_rows(xf), eps).view(*x.shape[:-1], 1)
     return weight * (xf * inv).to(x.dtype)
@@ -93,8 +101,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual), the sum taken in x's dtype."""
+    if _fp32(x, residual, weight):
+        out, new_residual = load().add_rms_norm(_rows(x), _rows(residual),
+                                                weight.contiguous(), eps)
+        return out.view(x.shape), new_residual.view(x.shape)
     new_residual = x + residual.to(x.dtype)
     return rms_norm(new_residual, weight, eps), new_residual
+
+
+def rotary(positions: torch.Tensor, x: torch.Tensor, cos: torch.Tensor,
+           sin: torch.Tensor) -> torch.Tensor | None:
+    """Neox rotary of x [T, H, D] at positions [T] from the cos / sin tables [P, D / 2] in one
+    compiled call (fp32, heads of D contiguous): the bits of worker/model/layers/rotary.py's
+    torch composition. None where it does not apply (the caller runs that composition)."""
+    if not (_fp32(x, cos, sin) and x.dim() == 3 and x.stride(2) == 1):
+        return None
+    return load().rotary(positions.to(torch.int64).contiguous(), x, cos.contiguous(),
+                         sin.contiguous())
 
 
 def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -207,6 +207,16 @@ def test_builds_give_the_same_bits():
     args = (q, *cache, tables, torch.tensor([0, 20], dtype=torch.int32),
             torch.tensor([50], dtype=torch.int32))
     assert same_bits(native.paged_attention(*args), baseline.paged_attention(*args))
+    h = torch.randn(11, 581, generator=gen) * 3
+    r, w = torch.randn_like(h), torch.randn(581, generator=gen)
+    assert same_bits(native.rms_norm(h, w, 1e-6), baseline.rms_norm(h, w, 1e-6))
+    assert all(same_bits(n, b) for n, b in zip(native.add_rms_norm(h, r, w, 1e-6),
+                                               baseline.add_rms_norm(h, r, w, 1e-6),
+                                               strict=True))
+    pos = torch.tensor([0, 5, 99, 3], dtype=torch.int64)
+    tables = [torch.randn(100, 21, generator=gen) for _ in range(2)]
+    x = torch.randn(4, 3, 42, generator=gen)
+    assert same_bits(native.rotary(pos, x, *tables), baseline.rotary(pos, x, *tables))
 
 
 def test_one_element_reductions():

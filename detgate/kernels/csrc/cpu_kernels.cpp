@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #if defined(__AVX2__) || defined(__F16C__)
@@ -465,8 +466,13 @@ DETGATE_INLINE float sum_squares(const float* x, int64_t n) {
   return combine(s);
 }
 
-// 1 / sqrt(mean(x^2) + eps) per row of x [R, H] fp32 -> [R] fp32. sqrt and / are correctly
-// rounded IEEE operations, so the statistic's bits follow from the sum's.
+// 1 / sqrt(mean(x^2) + eps) of one row: sqrt and / are correctly rounded IEEE operations, so
+// the statistic's bits follow from the sum's.
+DETGATE_INLINE float row_inv_rms(const float* x, int64_t h, float eps) {
+  return 1.0f / std::sqrt(sum_squares(x, h) / static_cast<float>(h) + eps);
+}
+
+// inv_rms per row of x [R, H] fp32 -> [R] fp32.
 torch::Tensor inv_rms(const torch::Tensor& x, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && unit_columns(x),
               "inv_rms: x [R, H] fp32 with contiguous rows expected");
@@ -474,10 +480,127 @@ torch::Tensor inv_rms(const torch::Tensor& x, double eps) {
   auto out = torch::empty({rows}, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const float feps = static_cast<float>(eps), fh = static_cast<float>(h);
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = row_inv_rms(xp + r * ld, h, feps);
+  });
+  return out;
+}
+
+// o = w * (x * inv) per element: two products, each rounded once (no FMA: -ffp-contract=off),
+// in the order of the composition `weight * (x * inv_rms(x))` that kernels/cpu.py ran as
+// torch multiplies before: the same bits.
+DETGATE_INLINE void scale_row(const float* x, const float* w, float inv, float* o, int64_t n) {
+  const vf8 vinv = splat(inv);
+  const int64_t body = n - n % L;
+  for (int64_t i = 0; i < body; i += L) store8(o + i, load8(w + i) * (load8(x + i) * vinv));
+  for (int64_t i = body; i < n; ++i) o[i] = w[i] * (x[i] * inv);
+}
+
+void check_norm(const torch::Tensor& x, const torch::Tensor& w, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && unit_columns(x), name,
+              ": x [R, H] fp32 with contiguous rows expected");
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.scalar_type() == torch::kFloat32 &&
+              w.is_contiguous(), name, ": weight [H] fp32 contiguous expected");
+}
+
+// RMSNorm of x [R, H] fp32 with weight [H] fp32 -> [R, H]: inv_rms and scale_row per row, one
+// call instead of a launch per op (what a thread count scales: the host work between ops
+// does not).
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  check_norm(x, w, "rms_norm");
+  const int64_t rows = x.size(0), h = x.size(1), ld = x.stride(0);
+  auto out = torch::empty({rows, h}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      op[r] = 1.0f / std::sqrt(sum_squares(xp + r * ld, h) / fh + feps);
+      const float* xr = xp + r * ld;
+      scale_row(xr, wp, row_inv_rms(xr, h, feps), op + r * h, h);
+    }
+  });
+  return out;
+}
+
+// (rms_norm(x + residual), x + residual) for x, residual [R, H] fp32: the sum one IEEE add per
+// element (x's value first, as `x + residual`), then the norm of the sum.
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
+                                                      const torch::Tensor& residual,
+                                                      const torch::Tensor& w, double eps) {
+  check_norm(x, w, "add_rms_norm");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == torch::kFloat32 &&
+              unit_columns(residual), "add_rms_norm: residual like x expected");
+  const int64_t rows = x.size(0), h = x.size(1), ldx = x.stride(0), ldr = residual.stride(0);
+  auto out = torch::empty({rows, h}, x.options());
+  auto sum = torch::empty({rows, h}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* rp = residual.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  float* sp = sum.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  const int64_t body = h - h % L;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = xp + r * ldx;
+      const float* rr = rp + r * ldr;
+      float* sr = sp + r * h;
+      for (int64_t i = 0; i < body; i += L) store8(sr + i, load8(xr + i) + load8(rr + i));
+      for (int64_t i = body; i < h; ++i) sr[i] = xr[i] + rr[i];
+      scale_row(sr, wp, row_inv_rms(sr, h, feps), op + r * h, h);
+    }
+  });
+  return {out, sum};
+}
+
+// Neox rotary of x [T, H, D] fp32 (head rows of D contiguous) at positions [T] int64, with
+// cos and sin tables [P, D / 2] fp32: for the halves x1, x2 of a head,
+//   out = (x1 * c - x2 * s, x2 * c + x1 * s),  c, s = cos[pos], sin[pos],
+// each product and each sum rounded once, in the order of the torch composition in
+// worker/model/layers/rotary.py: the same bits. Pointwise: no order to fix.
+torch::Tensor rotary(const torch::Tensor& positions, const torch::Tensor& x,
+                     const torch::Tensor& cos, const torch::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat32 && x.stride(2) == 1 &&
+              x.size(2) % 2 == 0, "rotary: x [T, H, D] fp32 with contiguous heads expected");
+  const int64_t t = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == t &&
+              positions.scalar_type() == torch::kInt64 && positions.is_contiguous(),
+              "rotary: positions [T] int64 expected");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == half && cos.scalar_type() == torch::kFloat32 &&
+              cos.is_contiguous() && sin.sizes() == cos.sizes() &&
+              sin.scalar_type() == torch::kFloat32 && sin.is_contiguous(),
+              "rotary: cos and sin [P, D / 2] fp32 contiguous expected");
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i) {
+    TORCH_CHECK(pp[i] >= 0 && pp[i] < cos.size(0), "rotary: position ", pp[i],
+                " outside the table of ", cos.size(0));
+  }
+  auto out = torch::empty({t, heads, d}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* snp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t s0 = x.stride(0), s1 = x.stride(1), body = half - half % L;
+  at::parallel_for(0, t * heads, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t tok = i / heads, head = i % heads;
+      const float* x1 = xp + tok * s0 + head * s1;
+      const float* x2 = x1 + half;
+      const float* c = cp + pp[tok] * half;
+      const float* s = snp + pp[tok] * half;
+      float* o1 = op + i * d;
+      float* o2 = o1 + half;
+      for (int64_t j = 0; j < body; j += L) {
+        const vf8 a = load8(x1 + j), b = load8(x2 + j), cv = load8(c + j), sv = load8(s + j);
+        store8(o1 + j, a * cv - b * sv);
+        store8(o2 + j, b * cv + a * sv);
+      }
+      for (int64_t j = body; j < half; ++j) {
+        o1[j] = x1[j] * c[j] - x2[j] * s[j];
+        o2[j] = x2[j] * c[j] + x1[j] * s[j];
+      }
     }
   });
   return out;
@@ -739,6 +862,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a [M, K] fp32 x GGUF blocks of w [N, K] (ggml type id) -> [M, N] fp32");
   m.def("dequantise", &dequantise, "GGUF blocks [N, K / 32 * block bytes] -> [N, K] fp32");
   m.def("inv_rms", &inv_rms, "x [R, H] fp32 -> 1 / sqrt(mean(x^2) + eps), [R]");
+  m.def("rms_norm", &rms_norm, "x [R, H] fp32, weight [H] fp32 -> weight * (x * inv_rms(x))");
+  m.def("add_rms_norm", &add_rms_norm,
+        "x, residual [R, H] fp32, weight [H] -> (rms_norm(x + residual), x + residual)");
+  m.def("rotary", &rotary, "positions [T] int64, x [T, H, D] fp32, cos/sin [P, D/2] -> Neox rotary");
   m.def("log_softmax", &log_softmax, "x [R, V] fp32 -> log_softmax over V, fp32");
   m.def("softmax", &softmax, "x [R, V] fp32 -> softmax over V, fp32");
   m.def("silu_and_mul", &silu_and_mul, "x [R, 2I] fp32 -> silu(x[:, :I]) * x[:, I:]");

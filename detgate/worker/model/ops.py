@@ -36,6 +36,7 @@ from detgate.kernels import cpu as cpu_kernels
 from detgate.kernels.attention import paged_attention, store_kv
 from detgate.kernels.quantised import QuantisedWeight
 from detgate.worker.model.attention_metadata import AttentionMetadata
+from detgate.worker.model.layers.rotary import RotaryEmbedding
 
 # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -97,6 +98,10 @@ class DefaultOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def rotate(self, rotary: RotaryEmbedding, positions: torch.Tensor, q: torch.Tensor,
+               k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary(positions, q, k)
+
 
 class BatchInvariantOps:
     """Every reduction through `kernels`: one order per output element, whatever the batch."""
@@ -144,6 +149,17 @@ class BatchInvariantOps:
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return kernels.silu_and_mul(gate_up)
+
+    def rotate(self, rotary: RotaryEmbedding, positions: torch.Tensor, q: torch.Tensor,
+               k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Pointwise, so either way is invariant; on the CPU in fp32 one compiled call per
+        # tensor instead of the module's ~8 torch ops, with their bits.
+        if q.is_cpu:
+            q2 = cpu_kernels.rotary(positions, q, rotary.cos, rotary.sin)
+            k2 = cpu_kernels.rotary(positions, k, rotary.cos, rotary.sin)
+            if q2 is not None and k2 is not None:
+                return q2, k2
+        return rotary(positions, q, k)
 
 
 Ops = DefaultOps | BatchInvariantOps

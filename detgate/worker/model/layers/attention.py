@@ -78,7 +78,7 @@ class Attention(nn.Module):
             v = v.reshape(t, self.num_kv_heads, self.head_dim)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = self.rotary(positions, q, k)
+            q, k = self.ops.rotate(self.rotary, positions, q, k)
             self.ops.store_kv(k, v, kv_cache, meta)
         return self.ops.attention(q, kv_cache, meta, self.scale)  # [T, Hq, D]
 
