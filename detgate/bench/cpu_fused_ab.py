@@ -22,28 +22,12 @@ import torch
 from detgate.bench.engine import build, run_once, workload
 from detgate.contract.provenance import cpu_model, git_commit, save_result, utc_now, versions
 from detgate.kernels import cpu
-from detgate.kernels.cpu_ext import load
 from detgate.worker.engine.config import EngineConfig
 from detgate.worker.model import ops as model_ops
 
-
-def _rms_norm(x, weight, eps):
-    xf = x.float()
-    inv = load().inv_rms(cpu._rows(xf), eps).view(*x.shape[:-1], 1)
-    return weight * (xf * inv).to(x.dtype)
-
-
-def _add_rms_norm(x, residual, weight, eps):
-    summed = x + residual.to(x.dtype)
-    return _rms_norm(summed, weight, eps), summed
-
-
-def _rotate(self, rotary, positions, q, k):
-    return rotary(positions, q, k)
-
-
 FUSED = (cpu.rms_norm, cpu.add_rms_norm, model_ops.BatchInvariantOps.rotate)
-COMPOSED = (_rms_norm, _add_rms_norm, _rotate)
+# The rotary module's torch ops: default mode's rotate
+COMPOSED = (cpu.rms_norm_composed, cpu.add_rms_norm_composed, model_ops.DefaultOps.rotate)
 
 
 def _use(fns) -> None:

@@ -210,7 +210,7 @@ def main(args) -> int:
                                   "context": args.concurrency * CONTEXT_PER_SLOT}
                               for n, (t, f) in LLAMAS.items()},
         "worker_env": {"OMP_WAIT_POLICY": "PASSIVE (detgate worker's default on the CPU)",
-                       **{n: env for n, env in OURS_ENV.items()}},
+                       **OURS_ENV},
         "reference_llama": references.get("llama.cpp_best"),
         "servers": results, "tokens_per_s_ratios": ratios, "skipped": skipped,
     }

@@ -89,10 +89,16 @@ def _fp32(*tensors: torch.Tensor) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., H] -> weight * (x * inv_rms(x)) with the statistic in fp32, result in x's dtype.
-    fp32: one compiled call, the bits of the torch composition below (each product rounded
-    once, in that order: csrc scale_row)."""
+    fp32: one compiled call, the bits of `rms_norm_composed` (each product rounded once, in
+    that order: csrc scale_row)."""
     if _fp32(x, weight):
         return load().rms_norm(_rows(x), weight.contiguous(), eps).view(x.shape)
+    return rms_norm_composed(x, weight, eps)
+
+
+def rms_norm_composed(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm as the compiled statistic and torch's multiplies: the path of 16-bit inputs,
+    and what the fused fp32 call is checked and timed against."""
     xf = x.float()
     inv = load().inv_rms(_rows(xf), eps).view(*x.shape[:-1], 1)
     return weight * (xf * inv).to(x.dtype)
@@ -105,8 +111,14 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
         out, new_residual = load().add_rms_norm(_rows(x), _rows(residual),
                                                 weight.contiguous(), eps)
         return out.view(x.shape), new_residual.view(x.shape)
+    return add_rms_norm_composed(x, residual, weight, eps)
+
+
+def add_rms_norm_composed(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rms_norm as a torch add and `rms_norm_composed`."""
     new_residual = x + residual.to(x.dtype)
-    return rms_norm(new_residual, weight, eps), new_residual
+    return rms_norm_composed(new_residual, weight, eps), new_residual
 
 
 def rotary(positions: torch.Tensor, x: torch.Tensor, cos: torch.Tensor,

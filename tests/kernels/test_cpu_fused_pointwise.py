@@ -1,7 +1,8 @@
 """The CPU kernels' one-call RMSNorm, residual add + RMSNorm and rotary (fp32) give the bits of
-the torch compositions they replace (kernels/cpu.py's earlier norm; the rotary module's
-`_rotate`), special values included, whatever the rows' number or the threads; and the bit
-comparison here is sensitive: the same products associated the other way differ."""
+the torch compositions they replace (kernels/cpu.py's `rms_norm_composed`: the compiled
+statistic, then two torch multiplies; the rotary module's `_rotate`), special values included,
+whatever the rows' number or the threads; and the bit comparison here is sensitive: the same
+products associated the other way differ."""
 
 from __future__ import annotations
 
@@ -12,13 +13,6 @@ from detgate.kernels import cpu
 from detgate.kernels.bits import same_bits
 from detgate.kernels.cpu_ext import load
 from detgate.worker.model.layers.rotary import RotaryEmbedding, _rotate
-
-
-def _norm_composition(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """What kernels/cpu.py's rms_norm ran before the fused call: the compiled statistic, then
-    two torch multiplies."""
-    inv = load().inv_rms(x.reshape(-1, x.shape[-1]).contiguous(), eps)
-    return weight * (x * inv.view(*x.shape[:-1], 1))
 
 
 def _hidden(rows: int, h: int, seed: int) -> torch.Tensor:
@@ -44,7 +38,7 @@ def test_rms_norm_is_the_composition_bit_for_bit(h, threads):
     weight = torch.randn(h, generator=torch.Generator().manual_seed(1))
     for eps in (1e-6, 1e-5):
         fused = cpu.rms_norm(x, weight, eps)
-        assert same_bits(fused, _norm_composition(x, weight, eps))
+        assert same_bits(fused, cpu.rms_norm_composed(x, weight, eps))
         # rows alone give the bits they have in the batch
         assert all(same_bits(cpu.rms_norm(x[i:i + 1], weight, eps), fused[i:i + 1])
                    for i in range(0, 37, 5))
@@ -57,7 +51,7 @@ def test_add_rms_norm_is_the_composition_bit_for_bit(h, threads):
     out, new_residual = cpu.add_rms_norm(x, residual, weight, 1e-6)
     summed = x + residual
     assert same_bits(new_residual, summed)
-    assert same_bits(out, _norm_composition(summed, weight, 1e-6))
+    assert same_bits(out, cpu.rms_norm_composed(summed, weight, 1e-6))
     # a 3-D input (q/k norm's [T, H, D]) and a strided residual take the same path
     out3, _ = cpu.add_rms_norm(x.view(3, 7, h), residual.view(3, 7, h), weight, 1e-6)
     assert same_bits(out3.view(21, h), out)
