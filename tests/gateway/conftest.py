@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import secrets
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,15 @@ class Gateway:
 
     def redis_keys(self) -> list[bytes]:
         return keys_under(self.redis_url, self.prefix)
+
+    def wait_up(self, worker_urls: list[str], timeout: float = 60.0) -> None:
+        """Until every one of `worker_urls` passed its first health check and probe. /readyz
+        answers once one worker is up: a test that needs them all (one to hang or kill while
+        the other serves, a capacity summed over them) waits here first."""
+        deadline = time.monotonic() + timeout
+        while not all(self.metric("detgate_worker_up", worker=u) == 1 for u in worker_urls):
+            assert time.monotonic() < deadline, self.proc.log()[-2000:]
+            time.sleep(0.1)
 
     def metric(self, name: str, **labels: str) -> float:
         """One sample of /metrics (0.0 when absent)."""

@@ -136,6 +136,7 @@ def test_burst_of_512_is_bounded_and_its_cancellation_stops_all_work(start_gatew
     workers = small_workers
     model = model_of(workers[0].url)
     gw = start_gateway([w.url for w in workers], env={"DETGATE_QUEUE_FACTOR": "1"})
+    gw.wait_up([w.url for w in workers])
     assert [gw.metric("detgate_worker_capacity", worker=w.url) for w in workers] == [8, 8]
     out = asyncio.run(_burst_then_cancel(gw.url, model, 512, cancel_after_s=6))
     # 16 running, 16 queued: the other 480 are refused at once, with a Retry-After.
@@ -166,6 +167,7 @@ def test_queue_depth_is_on_metrics_and_a_full_queue_answers_at_once(start_gatewa
     workers = small_workers
     model = model_of(workers[0].url)
     gw = start_gateway([w.url for w in workers], env={"DETGATE_QUEUE_FACTOR": "0.5"})
+    gw.wait_up([w.url for w in workers])
 
     async def run() -> tuple[list[float], float, list[int]]:
         async with httpx.AsyncClient(base_url=gw.url, timeout=120) as http:

@@ -153,6 +153,7 @@ def test_worker_killed_mid_stream_ends_in_an_error_event_not_done(start_gateway,
     workers = [start_worker(), start_worker()]
     model = model_of(workers[0].url)
     gw = start_gateway([w.url for w in workers])
+    gw.wait_up([w.url for w in workers])
     with gw.http() as http:
         with http.stream("POST", "/v1/completions", json={
                 "model": model, "prompt": "Long story:", "max_tokens": 1500, "temperature": 0,

@@ -198,6 +198,7 @@ def test_hung_worker_requests_are_retried_within_the_health_timeout(start_gatewa
     model = model_of(a.url)
     gw = start_gateway([a.url, b.url], env={"DETGATE_HEALTH_TIMEOUT_S": "1",
                                             "DETGATE_FIRST_BYTE_TIMEOUT_S": "20"})
+    gw.wait_up([a.url, b.url])  # a must be up (routed to) before it hangs
     os.kill(a.popen.pid, signal.SIGSTOP)
     try:
         t0 = time.monotonic()
