@@ -149,7 +149,9 @@ class ClientFailure(RedisError):
     RuntimeError; seen when a cluster master was killed under load), and the AttributeError
     or TypeError of a write on a connection that another task has just torn down (redis-py
     issues 3546 and 4287: `'NoneType' object has no attribute 'writelines'` when a cluster
-    master was killed under 200 concurrent requests), when raised inside the client."""
+    master was killed under 200 concurrent requests; redis-py 8.2 raises ConnectionError for a
+    cleared writer, older versions and some Pythons still leak these), when raised inside the
+    client."""
 
 
 def _raised_in_client(tb) -> bool:
