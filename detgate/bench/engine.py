@@ -60,8 +60,21 @@ def build(config: EngineConfig) -> Engine:
     from detgate.worker.tools.model_source import resolve_model
 
     loaded = load(resolve_model(config.model), dtype=config.dtype, device=config.device,
-                  mode=config.mode)
+                  mode=config.mode, weights_format=config.weights_format)
     return Engine(config, loaded.model, loaded.config)
+
+
+def weights_of(engine: Engine) -> str:
+    """What the engine's matmuls read, as the worker reports it: 'quantised: 120 Q4_1, 1 Q8_0'
+    or 'fp32' (only a batch_invariant fp32 CPU model of a GGUF reads blocks)."""
+    from detgate.worker.model.quantised_weights import describe
+
+    model = engine.runner.model
+    attached = {name: module.quantised.qtype for name, module in model.named_modules()
+                if getattr(module, "quantised", None) is not None}
+    if model.quantised_head is not None:
+        attached["lm_head"] = model.quantised_head.qtype
+    return describe(attached)
 
 
 def main(args) -> int:
@@ -92,6 +105,7 @@ def main(args) -> int:
         "commit": git_commit(), "device": _device(base),
         "versions": versions("torch", "triton", "numpy"),
         "config": {k: v for k, v in dataclasses.asdict(base).items() if k != "mode"},
+        "weights": {mode: weights_of(engine) for mode, engine in engines.items()},
         "workload": {"requests": args.requests, "prompt_tokens": "16-128",
                      "max_tokens": args.max_tokens, "sampling": "greedy, logprobs=0, ignore_eos",
                      "repeats": args.repeats, "torch_threads": torch.get_num_threads()},
