@@ -19,7 +19,7 @@ import statistics
 
 import torch
 
-from detgate.bench.engine import build, run_once, weights_of, workload
+from detgate.bench.engine import build, run_once, workload
 from detgate.contract.provenance import cpu_model, git_commit, save_result, utc_now, versions
 from detgate.kernels import cpu
 from detgate.worker.engine.config import EngineConfig
@@ -41,8 +41,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    engine = build(EngineConfig(model="smollm2-135m-instruct", mode="batch_invariant",
-                                device="cpu", dtype="float32", weights_format="quantised"))
+    engine, weights = build(EngineConfig(model="smollm2-135m-instruct", mode="batch_invariant",
+                                         device="cpu", dtype="float32",
+                                         weights_format="quantised"))
     vocab = engine.runner.model_config.vocab_size
     requests = workload(16, 64, vocab)
     results = {}
@@ -67,7 +68,7 @@ def main() -> int:
     report = {"benchmark": "cpu-fused-ab", "date": utc_now(), "commit": git_commit(),
               "device": {"type": "cpu", "name": cpu_model()},
               "versions": versions("torch", "numpy"),
-              "workload": {"model": "smollm2-135m-instruct", "weights": weights_of(engine),
+              "workload": {"model": "smollm2-135m-instruct", "weights": weights,
                            "requests": 16, "max_tokens": 64, "rounds": args.rounds,
                            "sampling": "greedy, logprobs=0, ignore_eos"},
               "variants": {"composed": "torch ops around the compiled inv_rms; rotary module",

@@ -55,26 +55,15 @@ def run_once(engine: Engine, requests) -> dict:
             "total_tokens_per_s": (generated + prompt) / wall}
 
 
-def build(config: EngineConfig) -> Engine:
+def build(config: EngineConfig) -> tuple[Engine, str]:
+    """The engine for `config`, and what its matmuls read as the worker reports it
+    ('quantised: 120 Q4_1, 1 Q8_0' or 'fp32')."""
     from detgate.worker.model.loader import load
     from detgate.worker.tools.model_source import resolve_model
 
     loaded = load(resolve_model(config.model), dtype=config.dtype, device=config.device,
                   mode=config.mode, weights_format=config.weights_format)
-    return Engine(config, loaded.model, loaded.config)
-
-
-def weights_of(engine: Engine) -> str:
-    """What the engine's matmuls read, as the worker reports it: 'quantised: 120 Q4_1, 1 Q8_0'
-    or 'fp32' (only a batch_invariant fp32 CPU model of a GGUF reads blocks)."""
-    from detgate.worker.model.quantised_weights import describe
-
-    model = engine.runner.model
-    attached = {name: module.quantised.qtype for name, module in model.named_modules()
-                if getattr(module, "quantised", None) is not None}
-    if model.quantised_head is not None:
-        attached["lm_head"] = model.quantised_head.qtype
-    return describe(attached)
+    return Engine(config, loaded.model, loaded.config), loaded.machine["weights"]
 
 
 def main(args) -> int:
@@ -85,7 +74,8 @@ def main(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     base = EngineConfig.from_args(args)
-    engines = {mode: build(dataclasses.replace(base, mode=mode)) for mode in MODES}
+    built = {mode: build(dataclasses.replace(base, mode=mode)) for mode in MODES}
+    engines = {mode: engine for mode, (engine, _) in built.items()}
     vocab = engines["default"].runner.model_config.vocab_size
     requests = workload(args.requests, args.max_tokens, vocab)
     for engine in engines.values():  # warm up: first calls allocate and pick kernels
@@ -105,7 +95,7 @@ def main(args) -> int:
         "commit": git_commit(), "device": _device(base),
         "versions": versions("torch", "triton", "numpy"),
         "config": {k: v for k, v in dataclasses.asdict(base).items() if k != "mode"},
-        "weights": {mode: weights_of(engine) for mode, engine in engines.items()},
+        "weights": {mode: weights for mode, (_, weights) in built.items()},
         "workload": {"requests": args.requests, "prompt_tokens": "16-128",
                      "max_tokens": args.max_tokens, "sampling": "greedy, logprobs=0, ignore_eos",
                      "repeats": args.repeats, "torch_threads": torch.get_num_threads()},
