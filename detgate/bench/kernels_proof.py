@@ -95,11 +95,9 @@ def shape_inputs(n: int, k: int, m_max: int, dtype=torch.bfloat16):
     return a, w
 
 
-def cross_config_bits(shapes: list[str] | None = None) -> dict:
+def cross_config_bits() -> dict:
     report = {}
     for name, (n, k) in bench.MATMUL_SHAPES.items():
-        if shapes and name not in shapes:
-            continue
         a, w = shape_inputs(n, k, 1000)
         differing = []
         for m in (1, 5, 64, 65, 130, 300, 1000):
@@ -185,21 +183,7 @@ def explore(shapes: list[str] | None = None, m_values: tuple[int, ...] = bench.M
         table[(n, k)] = mm.merge_tuned(shipped, tuple(entries))
     mm.TUNED_16BIT.update(table)
     mm.clear_caches()  # the fast path keeps each weight's tile choice
-    return {"timings": timings, "table": {f"{n},{k}": v for (n, k), v in table.items()},
-            "k_splits": {name: mm.k_splits(n, k, torch.bfloat16)
-                         for name, (n, k) in bench.MATMUL_SHAPES.items()}}
-
-
-def set_splits(spec: str) -> None:
-    """--splits: 'shipped' (K_SPLITS_16BIT as it is), 'none' (no weight split), or the shapes
-    to split in halves of K (and no other)."""
-    if spec == "shipped":
-        return
-    mm.K_SPLITS_16BIT.clear()
-    if spec != "none":
-        for name in spec.split(","):
-            mm.K_SPLITS_16BIT[bench.MATMUL_SHAPES[name]] = 2
-    mm.clear_caches()
+    return {"timings": timings, "table": {f"{n},{k}": v for (n, k), v in table.items()}}
 
 
 def mismatches(fn, a, b, ms) -> list[int]:
@@ -273,24 +257,18 @@ def main() -> None:
                         help="sizes timed per M bucket for --tune (evenly spaced, the bound last)")
     parser.add_argument("--tune-only", action="store_true",
                         help="--tune, then stop (no benchmark, sweeps or tests)")
-    parser.add_argument("--splits", default="shipped",
-                        help="weights reduced in two halves of K: 'shipped', 'none' or shapes")
-    parser.add_argument("--skip-bits", action="store_true", help="no cross-config bits phase")
     parser.add_argument("--deadline", type=float, default=360.0,
                         help="seconds after which the remaining phases are skipped")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    set_splits(args.splits)
     RESULT["environment"] = bench.environment()
     log(RESULT["environment"])
     phase("ceilings", ceilings, out, args.deadline)
     log(RESULT["ceilings"])
-    shapes = args.tune_shapes.split(",") if args.tune_shapes else None
-    if not args.skip_bits:
-        phase("cross_config_bits", lambda: cross_config_bits(shapes if args.tune_only else None),
-              out, args.deadline)
+    phase("cross_config_bits", cross_config_bits, out, args.deadline)
     if args.tune or args.tune_only:
+        shapes = args.tune_shapes.split(",") if args.tune_shapes else None
         ms = tuple(int(m) for m in args.tune_m.split(",")) if args.tune_m else bench.M_VALUES
         phase("explore", lambda: explore(shapes, ms, args.tune_spread), out, args.deadline)
         log("TUNED_16BIT =", RESULT["explore"].get("table"))

@@ -176,43 +176,6 @@ TUNED_16BIT: dict[tuple[int, int], tuple[tuple[int, str], ...]] = {
 }
 
 
-# Weights whose K is reduced in two fixed halves, (N, K) -> 2 (16-bit operands; see the module
-# doc): a property of the weight, never of M, so every M and every tile config gives one set of
-# bits. It doubles the units of work where a weight has too few tiles to fill the GPU (N of a
-# few thousand at M of a few hundred, or a decode step's M of 1-64), as cuBLAS's split-K does,
-# but in an order fixed by K alone. K must be a multiple of 2 x the largest BLOCK_K (a half
-# is whole k-steps of every config).
-K_SPLITS_16BIT: dict[tuple[int, int], int] = {}
-MAX_BLOCK_K = 256
-
-
-def k_splits(n: int, k: int, dtype: torch.dtype) -> int:
-    """How many fixed parts of K a product with this weight is reduced in: 1 or 2."""
-    if dtype == torch.float32:
-        return 1
-    return K_SPLITS_16BIT.get((n, k), 1)
-
-
-# (device, stream) -> the split launches' flags on that stream (_half_tile): zero between
-# launches, since every launch resets the flags it used. Launches on one stream run one after
-# another (under PDL too: a kernel's programs wait for their predecessor to complete), so one
-# buffer per stream is never used by two at once. A buffer that grows is kept, not freed: a
-# captured CUDA graph may still point at it.
-_FLAGS: dict[tuple[str, int], torch.Tensor] = {}
-_OUTGROWN: list[torch.Tensor] = []
-
-
-def split_flags(device: torch.device, stream: int, slots: int) -> torch.Tensor:
-    key = (str(device), stream)
-    flags = _FLAGS.get(key)
-    if flags is None or flags.numel() < 2 * slots:
-        if flags is not None:
-            _OUTGROWN.append(flags)
-        flags = _FLAGS[key] = torch.zeros(max(2 * slots, 1 << 14), dtype=torch.int32,
-                                          device=device)
-    return flags
-
-
 @dataclass(frozen=True)
 class DeviceInfo:
     num_sms: int
@@ -317,36 +280,28 @@ def _prefetch_rows(first_row, rows, row_stride, nbytes, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def _tile_acc(a_desc, b_desc, M, K, stride_am, off_m, off_n, k_lo, k_steps,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              B_IS_NK: tl.constexpr, A_DESC: tl.constexpr, PRECISION: tl.constexpr):
-    """The fp32 sum over k in [k_lo, k_lo + k_steps * BLOCK_K) of the BLOCK_M x BLOCK_N tile at
-    (off_m, off_n): one program, one accumulator, one dot per BLOCK_K chunk in increasing k."""
+def _tile(a_desc, b_desc, c_desc, bias_ptr, M, N, K, stride_am, off_m, off_n,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          B_IS_NK: tl.constexpr, A_DESC: tl.constexpr, HAS_BIAS: tl.constexpr,
+          PRECISION: tl.constexpr):
+    """C[off_m : off_m + BLOCK_M, off_n : off_n + BLOCK_N], one program, one accumulator."""
     offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # The K order: chunk 0, 1, ... k_tiles-1, one dot each, into the same accumulator.
     # Out-of-range rows/columns/K are zero-filled by the descriptor or the load mask alike.
-    for ki in range(k_steps):
-        k = k_lo + ki * BLOCK_K
+    for ki in range(tl.cdiv(K, BLOCK_K)):
         if A_DESC:
-            a = a_desc.load([off_m, k])
+            a = a_desc.load([off_m, ki * BLOCK_K])
         else:
-            offs_k = k + tl.arange(0, BLOCK_K)
+            offs_k = ki * BLOCK_K + tl.arange(0, BLOCK_K)
             a = tl.load(a_desc + offs_m[:, None] * stride_am + offs_k[None, :],
                         mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
         if B_IS_NK:  # noqa: SIM108 (compile time: one branch is compiled)
-            b = b_desc.load([off_n, k]).T
+            b = b_desc.load([off_n, ki * BLOCK_K]).T
         else:
-            b = b_desc.load([k, off_n])
+            b = b_desc.load([ki * BLOCK_K, off_n])
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    return acc
-
-
-@triton.jit
-def _tile_store(c_desc, bias_ptr, acc, M, N, off_m, off_n, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, A_DESC: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """acc (+ bias) rounded to C's dtype, into C[off_m : off_m + BLOCK_M, off_n : ...]."""
-    offs_m = off_m + tl.arange(0, BLOCK_M)
-    offs_n = off_n + tl.arange(0, BLOCK_N)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
         acc = acc + bias.to(tl.float32)[None, :]
@@ -357,77 +312,24 @@ def _tile_store(c_desc, bias_ptr, acc, M, N, off_m, off_n, BLOCK_M: tl.constexpr
                  mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
-@triton.jit
-def _tile(a_desc, b_desc, c_desc, bias_ptr, M, N, K, stride_am, off_m, off_n,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-          B_IS_NK: tl.constexpr, A_DESC: tl.constexpr, HAS_BIAS: tl.constexpr,
-          PRECISION: tl.constexpr):
-    """C[off_m : off_m + BLOCK_M, off_n : off_n + BLOCK_N], one program, one accumulator over
-    the whole of K."""
-    acc = _tile_acc(a_desc, b_desc, M, K, stride_am, off_m, off_n, 0, tl.cdiv(K, BLOCK_K),
-                    BLOCK_M, BLOCK_N, BLOCK_K, B_IS_NK, A_DESC, PRECISION)
-    _tile_store(c_desc, bias_ptr, acc, M, N, off_m, off_n, BLOCK_M, BLOCK_N, A_DESC, HAS_BIAS)
-
-
-@triton.jit
-def _half_tile(a_desc, b_desc, c_desc, bias_ptr, ws_ptr, flags_ptr, slot, half, M, N, K,
-               stride_am, off_m, off_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, SLOT: tl.constexpr, B_IS_NK: tl.constexpr,
-               A_DESC: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr):
-    """One of the two halves of K of a tile of a split weight (K_SPLITS): its fp32 sum, then
-    the two halves meet. Whichever program finishes its half first parks it in the workspace
-    (slot `slot`, SLOT floats) and flags it ready; the other adds it to its own and stores the
-    tile. Each half is the same k16 chain from zero however the programs are timed, and fp32
-    addition commutes, so C = round(half0 + half1) whichever program adds.
-
-    flags_ptr[2 slot]: halves finished (0, 1, 2), [2 slot + 1]: the parked half is readable.
-    The adder sets both back to 0: every launch leaves its flags as it found them."""
-    k_half = K // 2
-    acc = _tile_acc(a_desc, b_desc, M, K, stride_am, off_m, off_n, half * k_half,
-                    k_half // BLOCK_K, BLOCK_M, BLOCK_N, BLOCK_K, B_IS_NK, A_DESC, PRECISION)
-    offs_m = off_m + tl.arange(0, BLOCK_M)
-    parked = ws_ptr + tl.cast(slot, tl.int64) * SLOT + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N \
-        + tl.arange(0, BLOCK_N)[None, :]
-    rows = (offs_m < M)[:, None]
-    done = flags_ptr + 2 * slot
-    # A scalar atomic is one thread's, its result broadcast to the program.
-    if tl.atomic_add(done, 1, sem="relaxed", scope="gpu") == 0:
-        tl.store(parked, acc, mask=rows)
-        tl.debug_barrier()  # every thread's part of the half is written ...
-        tl.atomic_xchg(done + 1, 1, sem="release", scope="gpu")  # ... before it is flagged
-    else:
-        # The other half's program is past its own atomic: it is running, and flags its half
-        # as soon as it is written, waiting for nothing. So this wait ends.
-        while tl.atomic_add(done + 1, 0, sem="acquire", scope="gpu") == 0:
-            pass
-        tl.debug_barrier()
-        acc = acc + tl.load(parked, mask=rows, other=0.0, cache_modifier=".cg")
-        tl.atomic_xchg(done, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(done + 1, 0, sem="relaxed", scope="gpu")
-        _tile_store(c_desc, bias_ptr, acc, M, N, off_m, off_n, BLOCK_M, BLOCK_N, A_DESC,
-                    HAS_BIAS)
-
-
 @triton.jit(do_not_specialize=["M", "num_tiles", "grid_size", "tail_tiles", "prefetch_bytes"])
-def _matmul_tma_kernel(a_desc, b_desc, c_desc, a2_desc, b2_desc, c2_desc, bias_ptr, ws_ptr,
-                       flags_ptr, M, N, K, stride_am, num_tiles, grid_size, tail_tiles, w_ptr,
-                       stride_wn, prefetch_bytes, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _matmul_tma_kernel(a_desc, b_desc, c_desc, a2_desc, b2_desc, c2_desc, bias_ptr, M, N, K,
+                       stride_am, num_tiles, grid_size, tail_tiles, w_ptr, stride_wn,
+                       prefetch_bytes, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, TAIL_M: tl.constexpr,
-                       TAIL_N: tl.constexpr, K_SPLITS: tl.constexpr, B_IS_NK: tl.constexpr,
-                       A_DESC: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+                       TAIL_N: tl.constexpr, B_IS_NK: tl.constexpr, A_DESC: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
                        PREFETCH: tl.constexpr, THREADS: tl.constexpr, PDL: tl.constexpr):
     if PREFETCH:  # noqa: SIM102 (compile time; the test below is a runtime one)
         # The weights (w_ptr: B as [N, K] rows, the descriptor's memory) are not the
         # predecessor's output: while this program waits for A's producer, L2 can already
         # fetch the start of its first tile's weight rows, a few k-steps' worth.
         if prefetch_bytes > 0:
-            _, pid_n0 = _tile_coords(tl.program_id(0) // K_SPLITS, tl.cdiv(M, BLOCK_M),
-                                     tl.cdiv(N, BLOCK_N), GROUP_M)
+            _, pid_n0 = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N),
+                                     GROUP_M)
             first = pid_n0 * BLOCK_N
             elem: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-            k_first = (tl.program_id(0) % K_SPLITS) * (K // K_SPLITS)
-            _prefetch_rows((w_ptr + first.to(tl.int64) * stride_wn + k_first)
-                           .to(tl.int64, bitcast=True),
+            _prefetch_rows((w_ptr + first.to(tl.int64) * stride_wn).to(tl.int64, bitcast=True),
                            tl.minimum(N - first, BLOCK_N), stride_wn * elem, prefetch_bytes,
                            BLOCK_N, THREADS)
     pdl.enter(PDL)  # launched early, waits for A's producer (kernels/pdl.py)
@@ -435,92 +337,49 @@ def _matmul_tma_kernel(a_desc, b_desc, c_desc, a2_desc, b2_desc, c2_desc, bias_p
     # C rows N apart), read and written with row masks. B is always a descriptor.
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    # The grid's remaining tiles (TAIL_M > 0), each cut into SPLIT_M x SPLIT_N sub-tiles of
-    # TAIL_M x TAIL_N (descriptors a2/b2/c2 have those boxes): a last wave that would leave most
-    # programs idle is spread over all of them. Sub-tiles of one tile go to consecutive
-    # programs. Every element is still one program's one accumulator over the same K chain.
-    SPLIT_M: tl.constexpr = BLOCK_M // TAIL_M if TAIL_M > 0 else 1
-    SPLIT_N: tl.constexpr = BLOCK_N // TAIL_N if TAIL_N > 0 else 1
-    if K_SPLITS == 1:
-        # Tiles 0 .. num_tiles-1 of the BLOCK_M x BLOCK_N grid (full waves of the persistent
-        # grid), then the tail's sub-tiles.
-        for tile_id in tl.range(tl.program_id(0), num_tiles, grid_size, flatten=True):
-            pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-            _tile(a_desc, b_desc, c_desc, bias_ptr, M, N, K, stride_am, pid_m * BLOCK_M,
-                  pid_n * BLOCK_N, BLOCK_M, BLOCK_N, BLOCK_K, B_IS_NK, A_DESC, HAS_BIAS,
-                  PRECISION)
-        if TAIL_M > 0:
-            for t in tl.range(tl.program_id(0), tail_tiles, grid_size, flatten=True):
-                pid_m, pid_n = _tile_coords(num_tiles + t // (SPLIT_M * SPLIT_N), num_pid_m,
-                                            num_pid_n, GROUP_M)
-                sub = t % (SPLIT_M * SPLIT_N)
-                _tile(a2_desc, b2_desc, c2_desc, bias_ptr, M, N, K, stride_am,
-                      pid_m * BLOCK_M + (sub // SPLIT_N) * TAIL_M,
-                      pid_n * BLOCK_N + (sub % SPLIT_N) * TAIL_N, TAIL_M, TAIL_N, BLOCK_K,
-                      B_IS_NK, A_DESC, HAS_BIAS, PRECISION)
-    else:
-        # The same tiles and sub-tiles, each as two units of work (its halves of K), which
-        # consecutive programs take; a (sub-)tile's workspace slot is its index in that order.
-        for u in tl.range(tl.program_id(0), num_tiles * 2, grid_size):
-            pid_m, pid_n = _tile_coords(u // 2, num_pid_m, num_pid_n, GROUP_M)
-            _half_tile(a_desc, b_desc, c_desc, bias_ptr, ws_ptr, flags_ptr, u // 2, u % 2, M, N,
-                       K, stride_am, pid_m * BLOCK_M, pid_n * BLOCK_N, BLOCK_M, BLOCK_N,
-                       BLOCK_K, BLOCK_M * BLOCK_N, B_IS_NK, A_DESC, HAS_BIAS, PRECISION)
-        if TAIL_M > 0:
-            for u in tl.range(tl.program_id(0), tail_tiles * 2, grid_size):
-                t = u // 2
-                pid_m, pid_n = _tile_coords(num_tiles + t // (SPLIT_M * SPLIT_N), num_pid_m,
-                                            num_pid_n, GROUP_M)
-                sub = t % (SPLIT_M * SPLIT_N)
-                _half_tile(a2_desc, b2_desc, c2_desc, bias_ptr, ws_ptr, flags_ptr,
-                           num_tiles + t, u % 2, M, N, K, stride_am,
-                           pid_m * BLOCK_M + (sub // SPLIT_N) * TAIL_M,
-                           pid_n * BLOCK_N + (sub % SPLIT_N) * TAIL_N, TAIL_M, TAIL_N, BLOCK_K,
-                           BLOCK_M * BLOCK_N, B_IS_NK, A_DESC, HAS_BIAS, PRECISION)
-
-
-@triton.jit
-def _ptr_chain(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, offs_m, offs_n,
-               k_lo, k_steps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """_tile_acc with pointer loads: the fp32 sum over [k_lo, k_lo + k_steps * BLOCK_K)."""
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # Same K order as the TMA kernel: masked-out elements load as 0 and add exactly nothing.
-    for ki in range(k_steps):
-        k = k_lo + ki * BLOCK_K + offs_k
-        a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :] * stride_ak,
-                    mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)
-        b = tl.load(b_ptr + k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
-                    mask=(k[:, None] < K) & (offs_n[None, :] < N), other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    return acc
+    # Tiles 0 .. num_tiles-1 of the BLOCK_M x BLOCK_N grid (full waves of the persistent grid).
+    for tile_id in tl.range(tl.program_id(0), num_tiles, grid_size, flatten=True):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        _tile(a_desc, b_desc, c_desc, bias_ptr, M, N, K, stride_am, pid_m * BLOCK_M,
+              pid_n * BLOCK_N, BLOCK_M, BLOCK_N, BLOCK_K, B_IS_NK, A_DESC, HAS_BIAS, PRECISION)
+    if TAIL_M > 0:
+        # The grid's remaining tiles, each cut into SPLIT_M x SPLIT_N sub-tiles of TAIL_M x
+        # TAIL_N (descriptors a2/b2/c2 have those boxes): a last wave that would leave most
+        # programs idle is spread over all of them. Sub-tiles of one tile go to consecutive
+        # programs. Every element is still one program's one accumulator over the same K chain.
+        SPLIT_M: tl.constexpr = BLOCK_M // TAIL_M
+        SPLIT_N: tl.constexpr = BLOCK_N // TAIL_N
+        for t in tl.range(tl.program_id(0), tail_tiles, grid_size, flatten=True):
+            pid_m, pid_n = _tile_coords(num_tiles + t // (SPLIT_M * SPLIT_N), num_pid_m,
+                                        num_pid_n, GROUP_M)
+            sub = t % (SPLIT_M * SPLIT_N)
+            _tile(a2_desc, b2_desc, c2_desc, bias_ptr, M, N, K, stride_am,
+                  pid_m * BLOCK_M + (sub // SPLIT_N) * TAIL_M,
+                  pid_n * BLOCK_N + (sub % SPLIT_N) * TAIL_N, TAIL_M, TAIL_N, BLOCK_K, B_IS_NK,
+                  A_DESC, HAS_BIAS, PRECISION)
 
 
 @triton.jit
 def _matmul_ptr_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
                        stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, K_SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       PRECISION: tl.constexpr, PDL: tl.constexpr):
+                       GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+                       PDL: tl.constexpr):
     pdl.enter(PDL)
     pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N),
                                 GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if K_SPLITS == 1:
-        acc = _ptr_chain(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                         offs_m, offs_n, 0, tl.cdiv(K, BLOCK_K), BLOCK_M, BLOCK_N, BLOCK_K,
-                         PRECISION)
-    else:
-        # Both halves of K in this program, each its chain from zero, then one fp32 add: the
-        # bits of the TMA kernel's two programs (_half_tile).
-        steps = (K // 2) // BLOCK_K
-        acc = _ptr_chain(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                         offs_m, offs_n, 0, steps, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
-        acc = acc + _ptr_chain(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk,
-                               stride_bn, offs_m, offs_n, K // 2, steps, BLOCK_M, BLOCK_N,
-                               BLOCK_K, PRECISION)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Same K order as the TMA kernel: masked-out elements load as 0 and add exactly nothing.
+    for ki in range(tl.cdiv(K, BLOCK_K)):
+        k = ki * BLOCK_K + offs_k
+        a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :] * stride_ak,
+                    mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)
+        b = tl.load(b_ptr + k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
+                    mask=(k[:, None] < K) & (offs_n[None, :] < N), other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
         acc = acc + bias.to(tl.float32)[None, :]
@@ -602,14 +461,12 @@ def _operands(a: torch.Tensor, a_stride0: int, bt: torch.Tensor, b_is_nk: bool,
     return (*main, *(three(cfg.tail_m, cfg.tail_n) if cfg.tail_m else main))
 
 
-def _waves(m: int, n: int, cfg: TileConfig, max_programs: int, splits: int = 1
-           ) -> tuple[int, int, int]:
+def _waves(m: int, n: int, cfg: TileConfig, max_programs: int) -> tuple[int, int, int]:
     """(tiles computed whole, programs, tail sub-tiles): the full waves of the persistent grid
-    take whole tiles; with a tail config the tiles after them are cut into sub-tiles. A split
-    weight's (sub-)tiles are `splits` units of work each, and the waves count units."""
+    take whole tiles; with a tail config the tiles after them are cut into sub-tiles."""
     total = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    grid = min(total * splits, max_programs)
-    full = total * splits // grid * grid // splits
+    grid = min(total, max_programs)
+    full = total // grid * grid
     if not cfg.tail_m or full == total:
         return total, grid, 0
     return full, grid, (total - full) * cfg.subtiles
@@ -620,24 +477,19 @@ class _Launch:
     argument that depends only on the weight, the bias and the tile choice."""
 
     def __init__(self, a: torch.Tensor, bt: torch.Tensor, b_is_nk: bool,
-                 bias: torch.Tensor | None, cfg: TileConfig, a_desc: bool, info: DeviceInfo,
-                 splits: int):
+                 bias: torch.Tensor | None, cfg: TileConfig, a_desc: bool, info: DeviceInfo):
         m, k = a.shape
         n = bt.shape[0] if b_is_nk else bt.shape[1]
         c = a.new_empty((m, n))
         operands = _operands(a, k, bt, b_is_nk, c, cfg, a_desc)
         on = pdl.on(a)
         self.prefetch = _prefetches(a, b_is_nk)
-        self.splits = splits
-        ws, flags = (a.new_empty(1, dtype=torch.float32), a.new_empty(2, dtype=torch.int32)) \
-            if splits > 1 else (c, c)
         self.launcher = Launcher(
             _matmul_tma_kernel, (1,),
-            (*operands, bias if bias is not None else c, ws, flags, m, n, k, k, 1, 1, 0, bt,
-             bt.stride(0), 0, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.tail_m,
-             cfg.tail_n, splits, b_is_nk, a_desc, bias is not None,
-             "ieee" if a.dtype == torch.float32 else "tf32", self.prefetch, cfg.num_warps * 32,
-             on),
+            (*operands, bias if bias is not None else c, m, n, k, k, 1, 1, 0, bt, bt.stride(0),
+             0, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.tail_m, cfg.tail_n,
+             b_is_nk, a_desc, bias is not None, "ieee" if a.dtype == torch.float32 else "tf32",
+             self.prefetch, cfg.num_warps * 32, on),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=on)
         self.weight_args = (bt.data_ptr(), bt.stride(0))
         self.row_bytes = k * bt.element_size()
@@ -682,7 +534,6 @@ class _Weight:
         self.device = bt.get_device()
         self.info = info
         self.bias_ptr = bias.data_ptr() if bias is not None else 0
-        self.splits = k_splits(self.n, self.k, self.dtype)
         self.by_m: dict[int, _Plan] = {}
         self.by_config: dict[tuple[TileConfig, bool], _Launch] = {}
 
@@ -692,7 +543,7 @@ class _Weight:
         key = (cfg, _a_desc(m, cfg))
         launch = self.by_config.get(key)
         if launch is None:
-            launch = _Launch(a, bt, self.b_is_nk, bias, cfg, key[1], self.info, self.splits)
+            launch = _Launch(a, bt, self.b_is_nk, bias, cfg, key[1], self.info)
             self.by_config[key] = launch
         plan = self.by_m[m] = _Plan(launch, m, self.n, self.k)
         return plan
@@ -702,15 +553,11 @@ class _Plan:
     """One (weight, M): the launch state and the call's arguments that follow from M alone,
     so that a call computes nothing but A's and C's addresses."""
 
-    __slots__ = ("launch", "grid", "tail", "slots", "workspace")
+    __slots__ = ("launch", "grid", "tail")
 
     def __init__(self, launch: _Launch, m: int, n: int, k: int):
-        cfg = launch.config
-        whole, self.grid, sub = _waves(m, n, cfg, launch.max_programs, launch.splits)
+        whole, self.grid, sub = _waves(m, n, launch.config, launch.max_programs)
         self.launch = launch
-        # A split weight's workspace: a slot per (sub-)tile, for the half parked there
-        self.slots = whole + sub if launch.splits > 1 else 0
-        self.workspace = self.slots * cfg.block_m * cfg.block_n
         prefetch = prefetch_bytes(m, launch.row_bytes) if launch.prefetch else 0
         # M, N, K, stride_am, whole tiles, grid, tail sub-tiles, the weight's rows, the bytes of
         # each to prefetch
@@ -773,14 +620,9 @@ def _matmul_fast(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
     c = a.new_empty((m, weight.n))
     c_ptr = c.data_ptr()
     launch, n = plan.launch, weight.n
-    stream = raw_stream(weight.device)
-    if plan.slots:
-        ws_ptr = a.new_empty(plan.workspace, dtype=torch.float32).data_ptr()
-        flags_ptr = split_flags(a.device, stream, plan.slots).data_ptr()
-    else:
-        ws_ptr = flags_ptr = c_ptr  # unused
-    launch.launcher(plan.grid, 1, 1, stream, *launch.operand_args(a_ptr, c_ptr, m, n, k),
-                    weight.bias_ptr or c_ptr, ws_ptr, flags_ptr, *plan.tail)
+    launch.launcher(plan.grid, 1, 1, raw_stream(weight.device),
+                    *launch.operand_args(a_ptr, c_ptr, m, n, k), weight.bias_ptr or c_ptr,
+                    *plan.tail)
     return c
 
 
@@ -813,23 +655,16 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     c = torch.empty((m, n), dtype=a.dtype, device=a.device)
     bias_arg = bias if bias is not None else c
     launch = pdl.options(a)
-    splits = k_splits(n, k, a.dtype)
     if use_tma:
         desc = _a_desc(m, cfg) if a_desc is None else a_desc
-        whole, grid, sub = _waves(m, n, cfg, info.num_sms * cfg.ctas_per_sm, splits)
+        whole, grid, sub = _waves(m, n, cfg, info.num_sms * cfg.ctas_per_sm)
         prefetch = _prefetches(a, b_is_nk)
-        ws = flags = c  # unused without a split
-        if splits > 1:
-            ws = torch.empty((whole + sub) * cfg.block_m * cfg.block_n, dtype=torch.float32,
-                             device=a.device)
-            stream = torch.cuda.current_stream(a.device).cuda_stream if a.is_cuda else 0
-            flags = split_flags(a.device, stream, whole + sub)
         _matmul_tma_kernel[(grid,)](
-            *_operands(a, a_stride0, bt, b_is_nk, c, cfg, desc), bias_arg, ws, flags, m, n, k,
-            a_stride0, whole, grid, sub, bt, bt.stride(0),
+            *_operands(a, a_stride0, bt, b_is_nk, c, cfg, desc), bias_arg, m, n, k, a_stride0,
+            whole, grid, sub, bt, bt.stride(0),
             prefetch_bytes(m, k * a.element_size()) if prefetch else 0,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            TAIL_M=cfg.tail_m, TAIL_N=cfg.tail_n, K_SPLITS=splits, B_IS_NK=b_is_nk, A_DESC=desc,
+            TAIL_M=cfg.tail_m, TAIL_N=cfg.tail_n, B_IS_NK=b_is_nk, A_DESC=desc,
             HAS_BIAS=bias is not None, PRECISION=precision, PREFETCH=prefetch,
             THREADS=cfg.num_warps * 32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **launch)
@@ -839,6 +674,6 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         _matmul_ptr_kernel[(grid,)](
             a, bt, c, bias_arg, m, n, k, a_stride0, 1, stride_bk, stride_bn, n, 1,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            K_SPLITS=splits, HAS_BIAS=bias is not None, PRECISION=precision,
+            HAS_BIAS=bias is not None, PRECISION=precision,
             num_warps=cfg.num_warps, num_stages=min(cfg.num_stages, 4), **launch)
     return c

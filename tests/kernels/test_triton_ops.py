@@ -151,59 +151,6 @@ def test_matmul_a_by_descriptor_or_by_pointer_gives_the_same_bits(dtype):
         assert same_bits(mm_mod.matmul(a[:rows], w.t(), bias), by_desc[:rows]), rows
 
 
-@pytest.fixture
-def split_weight(monkeypatch):
-    """split_weight(n, k): make the (n, k) weight one whose K is reduced in two halves, for
-    this test only (the fast path keeps each weight's split: its caches are cleared)."""
-    def split(n: int, k: int) -> None:
-        monkeypatch.setitem(mm_mod.K_SPLITS_16BIT, (n, k), 2)
-        mm_mod.clear_caches()
-    yield split
-    mm_mod.clear_caches()
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_matmul_split_weight_adds_two_fixed_halves_of_k(dtype, split_weight):
-    # A split weight's element is round(chain(k < K/2) + chain(k >= K/2) + bias), the same for
-    # every M and every tile config; the two halves run in different programs that meet
-    # through the workspace and the flags, which each launch leaves at zero.
-    with contextlib.nullcontext() if ON_GPU else fixed_order_dot():
-        _check_split_weight(dtype, split_weight)
-
-
-def _check_split_weight(dtype, split_weight):
-    m, n, k = 70, 96, 512
-    a = _randn(m, k, dtype=dtype, seed=41)
-    w = _randn(n, k, dtype=dtype, seed=42) * 0.1
-    bias = _randn(n, dtype=dtype, seed=43)
-    unsplit = mm_mod.matmul(a, w.t(), bias)
-    split_weight(n, k)
-    out = mm_mod.matmul(a, w.t(), bias)
-    assert _rel_err(out, reference.matmul(a, w.t(), bias)) < TOL[dtype]
-    assert not same_bits(out, unsplit)  # control: the split path ran
-    for rows in (1, 17, 33, 64, 69):
-        assert same_bits(mm_mod.matmul(a[:rows], w.t(), bias), out[:rows]), rows
-    tail = mm_mod.TileConfig(32, 32, 4, 1, block_k=32, tail_m=16, tail_n=16)
-    sms = mm_mod.device_info(torch.cuda.current_device() if ON_GPU else None).num_sms
-    assert mm_mod._waves(m, n, tail, sms, 2)[2] > 0 or ON_GPU  # the tail's halves run too
-    for cfg in (tail, mm_mod.TileConfig(32, 32, 4, 1, block_k=32)):
-        assert same_bits(mm_mod.matmul(a, w.t(), bias, config=cfg), out), cfg
-    assert all(not flags.any() for flags in mm_mod._FLAGS.values())
-    if not ON_GPU:
-        # Exactly the two halves' fp32 chains (the fp32 kernel's, one k-chunk order under the
-        # fixed-order dot), added, then the bias, then one rounding.
-        a32, w32, h = a.float(), w.float(), k // 2
-        halves = mm_mod.matmul(a32[:, :h], w32[:, :h].t()) + mm_mod.matmul(a32[:, h:],
-                                                                           w32[:, h:].t())
-        assert same_bits(out, (halves + bias.float()).to(dtype))
-
-
-def test_split_table_halves_k_in_whole_steps_of_every_config():
-    assert all(c.block_k <= mm_mod.MAX_BLOCK_K for c in mm_mod.CONFIGS_16BIT.values())
-    for (n, k), splits in mm_mod.K_SPLITS_16BIT.items():
-        assert splits == 2 and k % (2 * mm_mod.MAX_BLOCK_K) == 0, (n, k)
-
-
 def test_tuned_table_names_configs_in_increasing_buckets():
     for shape, entries in mm_mod.TUNED_16BIT.items():
         bounds = [m for m, _ in entries]
