@@ -38,7 +38,7 @@ PREFILL_SHAPES = [(1, 1024), (4, 2048), (1, 4096), (1, 8192)]
 BLOCK_SIZE = 16
 # KV split sizes timed beside the shipped one (kernels/attention_triton.py KV_SPLIT): smaller
 # splits give one long sequence more programs, and cost every query a merge per split.
-OTHER_KV_SPLITS = (256, 128)
+OTHER_KV_SPLITS = (256, 128, 64)
 
 
 def _cuda_ms(fn: Callable[[], object], reps: int = 5) -> float:

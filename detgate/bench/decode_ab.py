@@ -16,8 +16,9 @@ prefetch (bytes per weight row, kernels/matmul_triton.py PREFETCH_ROW_BYTES; 0: 
 run (its gpu_kernels.json) merged over the shipped one; `--kv-split 128,256,...` adds the decode
 variant with each attention KV split size (kernels/attention_triton.py KV_SPLIT: positions per
 split, part of the numerics, so its bits differ from the shipped split's; a context longer
-than a split runs the split launch at small batches). Writes OUT_DIR/decode-ab.json (median ms
-per variant and batch, every round's).
+than a split runs the split launch at small batches; `64/4`: that split with the split launch
+taken below 4 programs per SM instead of attention_triton.SPLIT_PROGRAMS_BELOW). Writes
+OUT_DIR/decode-ab.json (median ms per variant and batch, every round's).
 """
 
 from __future__ import annotations
@@ -127,12 +128,17 @@ def main() -> int:
         variants[name], prefetch[name] = VARIANTS["decode"], int(value)
         args.variants += f",{name}"
     shipped_split = attention_triton.KV_SPLIT
+    shipped_below = attention_triton.SPLIT_PROGRAMS_BELOW
     kv_split: dict[str, int] = {}  # variant -> attention KV split, if not shipped's
+    split_below: dict[str, int] = {}  # variant -> SPLIT_PROGRAMS_BELOW, if not shipped's
     for value in filter(None, args.kv_split.split(",")):
-        if int(value) % SHIPPED[1]:
-            p.error(f"--kv-split: {value} is not a multiple of BLOCK_N ({SHIPPED[1]})")
-        name = f"decode_kv{int(value)}"
-        variants[name], kv_split[name] = VARIANTS["decode"], int(value)
+        size, _, below = value.partition("/")
+        if int(size) % SHIPPED[1]:
+            p.error(f"--kv-split: {size} is not a multiple of BLOCK_N ({SHIPPED[1]})")
+        name = f"decode_kv{int(size)}" + (f"_below{int(below)}" if below else "")
+        variants[name], kv_split[name] = VARIANTS["decode"], int(size)
+        if below:
+            split_below[name] = int(below)
         args.variants += f",{name}"
     for name in filter(None, args.tiles.split(",")):
         config = tuple(int(x) for x in re.findall(r"\d+", name))
@@ -159,6 +165,7 @@ def main() -> int:
             at.DECODE_TILE = tiles is not None
             rows, at.BLOCK_N, warps, stages = tiles or DECODE_SHIPPED
             at.KV_SPLIT = kv_split.get(name, shipped_split)
+            at.SPLIT_PROGRAMS_BELOW = split_below.get(name, shipped_below)
             at.DECODE_BLOCK_M, at.DECODE_NUM_WARPS, at.DECODE_NUM_STAGES = rows, warps, stages
             table = tables.get(name, shipped_table)
             if table != matmul_triton.TUNED_16BIT:
@@ -181,6 +188,7 @@ def main() -> int:
               "variants": {n: variants[n] for n in names},
               "prefetch_row_bytes": {n: prefetch.get(n, shipped_prefetch) for n in names},
               "kv_split": {n: kv_split.get(n, shipped_split) for n in names},
+              "split_programs_below": {n: split_below.get(n, shipped_below) for n in names},
               "matmul_tables": {n: {f"{nk[0]},{nk[1]}": v for nk, v in t.items()}
                                 for n, t in tables.items()},
               "median_ms": median, "runs": runs,

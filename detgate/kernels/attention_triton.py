@@ -50,6 +50,9 @@ DECODE_TILE = os.environ.get("DETGATE_DECODE_TILE", "1") != "0"
 # Columns of the ones that p is multiplied by for its row sum: the MMA's smallest N.
 ROW_SUM_COLUMNS = tl.constexpr(16)
 KV_SPLIT = 1024  # KV positions per split: a multiple of BLOCK_N
+# The split launch is taken (splits > 1) while the fused one would have fewer programs than
+# this many per SM: below it, more programs pay for the combine kernel. Launch shape only.
+SPLIT_PROGRAMS_BELOW = 2
 COMBINE_HEADS = 2  # heads x head-dim slice per combine program: spread the merge loops wide
 COMBINE_DIMS = 64
 _LOG2E = 1.4426950408889634
@@ -294,7 +297,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q_blocks = num_seqs if decode else num_tokens // (block_m // group_pad) + num_seqs
     max_splits = triton.cdiv(block_tables.shape[1] * block_size, KV_SPLIT)
     if split_programs is None:
-        split_programs = max_splits > 1 and q_blocks * hkv < 2 * _num_sms(q.device.index or 0)
+        split_programs = max_splits > 1 and \
+            q_blocks * hkv < SPLIT_PROGRAMS_BELOW * _num_sms(q.device.index or 0)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     launch = pdl.options(q)
     qsl = query_start_loc.to(torch.int32)
