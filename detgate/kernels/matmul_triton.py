@@ -85,10 +85,6 @@ CONFIGS_16BIT = {
     "m64n128c2": TileConfig(64, 128, 4, 3, ctas_per_sm=2),
     "m64n256s2c2": TileConfig(64, 256, 4, 2, ctas_per_sm=2),
     "m128n64c2": TileConfig(128, 64, 4, 3, ctas_per_sm=2),
-    # 256 rows in one tile (gate_up_proj at 193-256 rows: each weight column tile read from
-    # L2 once per step, not once per 128 rows); three stages leave room for C's staging.
-    "m256n128": TileConfig(256, 128, 8, 3),
-    "m256n128t128": TileConfig(256, 128, 8, 3, tail_m=128, tail_n=128),
     # 16 rows (a few decoding sequences): mma.sync tiles (wgmma's smallest M is 64), whose A
     # tiles take a quarter of the shared memory: two programs fit an SM, so a launch can start
     # beside its predecessor's last tiles under PDL. The same k16 chain per element (checked
