@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="warm-up captures decode graphs up to this context width")
     p.add_argument("--mixed-capture-width", type=int, default=256,
                    help="warm-up captures mixed-step graphs up to this context width")
+    p.add_argument("--table", default="", help="a kernels_proof --tune run's gpu_kernels.json: "
+                   "its tuned buckets merged over the shipped matmul table for this run")
     return p
 
 
@@ -448,6 +450,13 @@ def main(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run with --device cpu")
         return 2
+    if args.table:
+        from detgate.bench.decode_ab import tuned_table
+        from detgate.kernels import matmul_triton
+
+        table = tuned_table(dict(matmul_triton.TUNED_16BIT), args.table)
+        matmul_triton.TUNED_16BIT.update(table)
+        matmul_triton.clear_caches()
     experiment = Experiment(args)
     experiment.run()
     kernels_failed = [k for k, v in experiment.result.get("kernel_check", {}).items()
