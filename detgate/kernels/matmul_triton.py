@@ -8,8 +8,9 @@ may follow the problem's shape because it decides only which program computes an
 how many k16 steps one loop iteration issues (BLOCK_K), never the order of those steps: the
 per-element chain is the same for every config of a dtype. A config's tail (the tiles after
 the persistent grid's full waves, computed as smaller sub-tiles) is one more choice of which
-program computes an element, and a weight prefetch before the PDL wait only moves bytes into
-L2 earlier. That this holds on the hardware is
+program computes an element; a tile of two column parts (`block_n2`) only puts an element's
+chain in the second of two accumulators, issued as MMAs of another width N; and a weight
+prefetch before the PDL wait only moves bytes into L2 earlier. That this holds on the hardware is
 checked bitwise, every config against every other on every projection shape, and over
 M = 1..8192 with the dispatch in force (tests/kernels/test_gpu_ops.py,
 detgate/bench/kernels_proof.py).
@@ -53,6 +54,21 @@ class TileConfig:
     # it spreads over all of them (0: no tail). Only which program computes an element changes.
     tail_m: int = 0
     tail_n: int = 0
+    # A second column part of block_n2 columns right of the first, with its own accumulator
+    # and its own MMA chain (0: none). A tile is then block_n + block_n2 wide, a width no power
+    # of two need be (128 + 64, 128 + 32): where M x N in 128 x 256 or 128 x 128 tiles leaves a
+    # last wave of a few tiles, 192 or 160 columns may fill whole waves. Each element is still
+    # one accumulator's chain of k16 steps in increasing k; only the instruction's N differs.
+    block_n2: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_n2 and self.tail_m:
+            raise ValueError("a tile of two column parts has no tail sub-tiles")
+
+    @property
+    def width(self) -> int:
+        """Columns of C per tile."""
+        return self.block_n + self.block_n2
 
     @property
     def subtiles(self) -> int:
@@ -93,6 +109,14 @@ CONFIGS_16BIT = {
     "m16n32k256": TileConfig(16, 32, 4, 4, block_k=256),
     "m16n128k128": TileConfig(16, 128, 4, 3, block_k=128),
     "m16n64k128c2": TileConfig(16, 64, 4, 5, block_k=128, ctas_per_sm=2),
+    # Two column parts (block_n + block_n2 wide): widths between the powers of two, for the
+    # buckets where 128- and 256-column tiles leave a last wave nearly empty (o_proj and
+    # down_proj at 640, 768 or 1,280 rows fill 132 SMs with 128 x 160 or 128 x 192 tiles).
+    "m128n192": TileConfig(128, 128, 8, 4, block_n2=64),
+    "m128n192s3": TileConfig(128, 128, 8, 3, block_n2=64),
+    "m128n160": TileConfig(128, 128, 8, 4, block_n2=32),
+    "m64n192": TileConfig(64, 128, 4, 5, block_n2=64),
+    "m128n96": TileConfig(128, 64, 4, 6, block_n2=32),
     # With a tail: the tiles after the full waves in halves or quarters.
     "m128n256t64": TileConfig(128, 256, 8, 3, tail_m=64, tail_n=256),
     "m128n256t64n128": TileConfig(128, 256, 8, 3, tail_m=64, tail_n=128),
@@ -281,28 +305,21 @@ def _prefetch_rows(first_row, rows, row_stride, nbytes, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def _tile(a_desc, b_desc, c_desc, bias_ptr, M, N, K, stride_am, off_m, off_n,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-          B_IS_NK: tl.constexpr, A_DESC: tl.constexpr, HAS_BIAS: tl.constexpr,
-          PRECISION: tl.constexpr):
-    """C[off_m : off_m + BLOCK_M, off_n : off_n + BLOCK_N], one program, one accumulator."""
+def _load_b(b_desc, off_n, k, B_IS_NK: tl.constexpr):
+    """B's [BLOCK_K, columns] tile at (k, off_n), from B as [N, K] (nn.Linear) or [K, N]."""
+    if B_IS_NK:  # noqa: SIM108 (compile time: one branch is compiled)
+        b = b_desc.load([off_n, k]).T
+    else:
+        b = b_desc.load([k, off_n])
+    return b
+
+
+@triton.jit
+def _store_c(c_desc, acc, bias_ptr, M, N, off_m, off_n, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, A_DESC: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """acc (+ bias) into C[off_m : off_m + BLOCK_M, off_n : off_n + BLOCK_N], rounded once."""
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # The K order: chunk 0, 1, ... k_tiles-1, one dot each, into the same accumulator.
-    # Out-of-range rows/columns/K are zero-filled by the descriptor or the load mask alike.
-    for ki in range(tl.cdiv(K, BLOCK_K)):
-        if A_DESC:
-            a = a_desc.load([off_m, ki * BLOCK_K])
-        else:
-            offs_k = ki * BLOCK_K + tl.arange(0, BLOCK_K)
-            a = tl.load(a_desc + offs_m[:, None] * stride_am + offs_k[None, :],
-                        mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
-        if B_IS_NK:  # noqa: SIM108 (compile time: one branch is compiled)
-            b = b_desc.load([off_n, ki * BLOCK_K]).T
-        else:
-            b = b_desc.load([ki * BLOCK_K, off_n])
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
         acc = acc + bias.to(tl.float32)[None, :]
@@ -313,51 +330,88 @@ def _tile(a_desc, b_desc, c_desc, bias_ptr, M, N, K, stride_am, off_m, off_n,
                  mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
+@triton.jit
+def _tile(a_desc, b_desc, c_desc, b2_desc, c2_desc, bias_ptr, M, N, K, stride_am, off_m, off_n,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_N2: tl.constexpr,
+          BLOCK_K: tl.constexpr, B_IS_NK: tl.constexpr, A_DESC: tl.constexpr,
+          HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr):
+    """C[off_m : off_m + BLOCK_M, off_n : off_n + BLOCK_N + BLOCK_N2], one program: one
+    accumulator per column part (b2_desc / c2_desc: the second part's, with BLOCK_N2 > 0)."""
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    ACC2_N: tl.constexpr = BLOCK_N2 if BLOCK_N2 > 0 else 16  # unused (and dropped) without one
+    acc2 = tl.zeros((BLOCK_M, ACC2_N), dtype=tl.float32)
+    # The K order: chunk 0, 1, ... k_tiles-1, one dot each, into the same accumulator (each
+    # part's columns into their own). Out-of-range rows/columns/K are zero-filled by the
+    # descriptor or the load mask alike.
+    for ki in range(tl.cdiv(K, BLOCK_K)):
+        if A_DESC:
+            a = a_desc.load([off_m, ki * BLOCK_K])
+        else:
+            offs_k = ki * BLOCK_K + tl.arange(0, BLOCK_K)
+            a = tl.load(a_desc + offs_m[:, None] * stride_am + offs_k[None, :],
+                        mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+        acc = tl.dot(a, _load_b(b_desc, off_n, ki * BLOCK_K, B_IS_NK), acc,
+                     input_precision=PRECISION)
+        if BLOCK_N2 > 0:
+            acc2 = tl.dot(a, _load_b(b2_desc, off_n + BLOCK_N, ki * BLOCK_K, B_IS_NK), acc2,
+                          input_precision=PRECISION)
+    _store_c(c_desc, acc, bias_ptr, M, N, off_m, off_n, BLOCK_M, BLOCK_N, A_DESC, HAS_BIAS)
+    if BLOCK_N2 > 0:
+        _store_c(c2_desc, acc2, bias_ptr, M, N, off_m, off_n + BLOCK_N, BLOCK_M, BLOCK_N2,
+                 A_DESC, HAS_BIAS)
+
+
 @triton.jit(do_not_specialize=["M", "num_tiles", "grid_size", "tail_tiles", "prefetch_bytes"])
 def _matmul_tma_kernel(a_desc, b_desc, c_desc, a2_desc, b2_desc, c2_desc, bias_ptr, M, N, K,
                        stride_am, num_tiles, grid_size, tail_tiles, w_ptr, stride_wn,
                        prefetch_bytes, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, TAIL_M: tl.constexpr,
+                       BLOCK_N2: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                       TAIL_M: tl.constexpr,
                        TAIL_N: tl.constexpr, B_IS_NK: tl.constexpr, A_DESC: tl.constexpr,
                        HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
                        PREFETCH: tl.constexpr, THREADS: tl.constexpr, PDL: tl.constexpr):
+    WIDTH: tl.constexpr = BLOCK_N + BLOCK_N2  # columns per tile
     if PREFETCH:  # noqa: SIM102 (compile time; the test below is a runtime one)
         # The weights (w_ptr: B as [N, K] rows, the descriptor's memory) are not the
         # predecessor's output: while this program waits for A's producer, L2 can already
         # fetch the start of its first tile's weight rows, a few k-steps' worth.
         if prefetch_bytes > 0:
-            _, pid_n0 = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N),
+            _, pid_n0 = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, WIDTH),
                                      GROUP_M)
-            first = pid_n0 * BLOCK_N
+            first = pid_n0 * WIDTH
             elem: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
             _prefetch_rows((w_ptr + first.to(tl.int64) * stride_wn).to(tl.int64, bitcast=True),
-                           tl.minimum(N - first, BLOCK_N), stride_wn * elem, prefetch_bytes,
-                           BLOCK_N, THREADS)
+                           tl.minimum(N - first, WIDTH), stride_wn * elem, prefetch_bytes,
+                           WIDTH, THREADS)
     pdl.enter(PDL)  # launched early, waits for A's producer (kernels/pdl.py)
     # A_DESC: A and C are TMA descriptors; otherwise plain pointers (A rows stride_am apart,
     # C rows N apart), read and written with row masks. B is always a descriptor.
     num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    # Tiles 0 .. num_tiles-1 of the BLOCK_M x BLOCK_N grid (full waves of the persistent grid).
+    num_pid_n = tl.cdiv(N, WIDTH)
+    # Tiles 0 .. num_tiles-1 of the BLOCK_M x WIDTH grid (full waves of the persistent grid).
+    # With BLOCK_N2 > 0, b2/c2 are the descriptors of each tile's second column part.
     for tile_id in tl.range(tl.program_id(0), num_tiles, grid_size, flatten=True):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        _tile(a_desc, b_desc, c_desc, bias_ptr, M, N, K, stride_am, pid_m * BLOCK_M,
-              pid_n * BLOCK_N, BLOCK_M, BLOCK_N, BLOCK_K, B_IS_NK, A_DESC, HAS_BIAS, PRECISION)
+        _tile(a_desc, b_desc, c_desc, b2_desc, c2_desc, bias_ptr, M, N, K, stride_am,
+              pid_m * BLOCK_M, pid_n * WIDTH, BLOCK_M, BLOCK_N, BLOCK_N2, BLOCK_K, B_IS_NK,
+              A_DESC, HAS_BIAS, PRECISION)
     if TAIL_M > 0:
         # The grid's remaining tiles, each cut into SPLIT_M x SPLIT_N sub-tiles of TAIL_M x
-        # TAIL_N (descriptors a2/b2/c2 have those boxes): a last wave that would leave most
-        # programs idle is spread over all of them. Sub-tiles of one tile go to consecutive
-        # programs. Every element is still one program's one accumulator over the same K chain.
+        # TAIL_N (descriptors a2/b2/c2 have those boxes; no second column part then): a last
+        # wave that would leave most programs idle is spread over all of them. Sub-tiles of one
+        # tile go to consecutive programs. Every element is still one program's one
+        # accumulator over the same K chain.
         SPLIT_M: tl.constexpr = BLOCK_M // TAIL_M
         SPLIT_N: tl.constexpr = BLOCK_N // TAIL_N
         for t in tl.range(tl.program_id(0), tail_tiles, grid_size, flatten=True):
             pid_m, pid_n = _tile_coords(num_tiles + t // (SPLIT_M * SPLIT_N), num_pid_m,
                                         num_pid_n, GROUP_M)
             sub = t % (SPLIT_M * SPLIT_N)
-            _tile(a2_desc, b2_desc, c2_desc, bias_ptr, M, N, K, stride_am,
+            _tile(a2_desc, b2_desc, c2_desc, b2_desc, c2_desc, bias_ptr, M, N, K, stride_am,
                   pid_m * BLOCK_M + (sub // SPLIT_N) * TAIL_M,
-                  pid_n * BLOCK_N + (sub % SPLIT_N) * TAIL_N, TAIL_M, TAIL_N, BLOCK_K, B_IS_NK,
-                  A_DESC, HAS_BIAS, PRECISION)
+                  pid_n * BLOCK_N + (sub % SPLIT_N) * TAIL_N, TAIL_M, TAIL_N, 0, BLOCK_K,
+                  B_IS_NK, A_DESC, HAS_BIAS, PRECISION)
 
 
 @triton.jit
@@ -447,8 +501,9 @@ def _a_desc(m: int, cfg: TileConfig) -> bool:
 
 def _operands(a: torch.Tensor, a_stride0: int, bt: torch.Tensor, b_is_nk: bool,
               c: torch.Tensor, cfg: TileConfig, a_desc: bool) -> tuple:
-    """The kernel's A, B, C and tail A, B, C arguments: TMA descriptors with the tiles' boxes
-    (A and C plain tensors without a_desc); without a tail, the tail's are the main ones."""
+    """The kernel's A, B, C and second A, B, C arguments: TMA descriptors with the tiles'
+    boxes (A and C plain tensors without a_desc). The second set has the boxes of the second
+    column part, else of the tail's sub-tiles; with neither it repeats the first."""
     (m, k), n = a.shape, c.shape[1]
 
     def three(block_m: int, block_n: int) -> tuple:
@@ -459,13 +514,15 @@ def _operands(a: torch.Tensor, a_stride0: int, bt: torch.Tensor, b_is_nk: bool,
                 TensorDescriptor(c, [m, n], [n, 1], [block_m, block_n]) if a_desc else c)
 
     main = three(cfg.block_m, cfg.block_n)
+    if cfg.block_n2:
+        return (*main, *three(cfg.block_m, cfg.block_n2))
     return (*main, *(three(cfg.tail_m, cfg.tail_n) if cfg.tail_m else main))
 
 
 def _waves(m: int, n: int, cfg: TileConfig, max_programs: int) -> tuple[int, int, int]:
     """(tiles computed whole, programs, tail sub-tiles): the full waves of the persistent grid
     take whole tiles; with a tail config the tiles after them are cut into sub-tiles."""
-    total = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    total = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.width)
     grid = min(total, max_programs)
     full = total // grid * grid
     if not cfg.tail_m or full == total:
@@ -488,7 +545,8 @@ class _Launch:
         self.launcher = Launcher(
             _matmul_tma_kernel, (1,),
             (*operands, bias if bias is not None else c, m, n, k, k, 1, 1, 0, bt, bt.stride(0),
-             0, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.tail_m, cfg.tail_n,
+             0, cfg.block_m, cfg.block_n, cfg.block_n2, cfg.block_k, cfg.group_m, cfg.tail_m,
+             cfg.tail_n,
              b_is_nk, a_desc, bias is not None, "ieee" if a.dtype == torch.float32 else "tf32",
              self.prefetch, cfg.num_warps * 32, on),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=on)
@@ -664,8 +722,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
             *_operands(a, a_stride0, bt, b_is_nk, c, cfg, desc), bias_arg, m, n, k, a_stride0,
             whole, grid, sub, bt, bt.stride(0),
             prefetch_bytes(m, k * a.element_size()) if prefetch else 0,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            TAIL_M=cfg.tail_m, TAIL_N=cfg.tail_n, B_IS_NK=b_is_nk, A_DESC=desc,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_N2=cfg.block_n2, BLOCK_K=cfg.block_k,
+            GROUP_M=cfg.group_m, TAIL_M=cfg.tail_m, TAIL_N=cfg.tail_n, B_IS_NK=b_is_nk, A_DESC=desc,
             HAS_BIAS=bias is not None, PRECISION=precision, PREFETCH=prefetch,
             THREADS=cfg.num_warps * 32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **launch)

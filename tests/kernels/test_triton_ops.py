@@ -137,6 +137,45 @@ def _check_tail_subtiles(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matmul_tiles_of_two_column_parts_give_the_bits_of_whole_tiles(dtype):
+    # 48-column tiles (32 + 16, two accumulators) over N = 104: the last tile's first part is
+    # cut by N and its second lies wholly past it. A by descriptor and by pointer, B as [N, K]
+    # (a transposed nn.Linear weight) and as [K, N].
+    with contextlib.nullcontext() if ON_GPU else fixed_order_dot():
+        _check_two_column_parts(dtype)
+
+
+def _check_two_column_parts(dtype):
+    m, n, k = 70, 104, 64
+    a = _randn(m, k, dtype=dtype, seed=41)
+    w = _randn(n, k, dtype=dtype, seed=42)
+    bias = _randn(n, dtype=dtype, seed=43)
+    whole = mm_mod.TileConfig(32, 32, 4, 1, block_k=32)
+    wide = mm_mod.TileConfig(32, 32, 4, 1, block_k=32, block_n2=16)
+    assert wide.width == 48
+    ref = mm_mod.matmul(a, w.t(), bias, config=whole)
+    assert _rel_err(ref, reference.matmul(a, w.t(), bias)) < TOL[dtype]
+    # (Each layout against whole tiles of its own: the interpreter's numpy sum, unlike an MMA,
+    # adds in another order when B's tile is transposed in memory.)
+    for b in (w.t(), w.t().contiguous()):
+        whole_b = mm_mod.matmul(a, b, bias, config=whole)
+        for a_desc in (True, False):
+            out = mm_mod.matmul(a, b, bias, config=wide, a_desc=a_desc)
+            assert same_bits(out, whole_b), (b.stride(), a_desc)
+    for rows in (1, 33, 69):
+        assert same_bits(mm_mod.matmul(a[:rows], w.t(), bias, config=wide), ref[:rows]), rows
+    if not ON_GPU and dtype == torch.float32:
+        # Control: a change of the K chain (16-wide dots) in the same two-part tiles is seen.
+        chunked = mm_mod.TileConfig(32, 32, 4, 1, block_k=16, block_n2=16)
+        assert not same_bits(mm_mod.matmul(a, w.t(), bias, config=chunked), ref)
+
+
+def test_a_tile_of_two_column_parts_has_no_tail():
+    with pytest.raises(ValueError, match="no tail"):
+        mm_mod.TileConfig(128, 128, 8, 4, tail_m=64, tail_n=128, block_n2=64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matmul_a_by_descriptor_or_by_pointer_gives_the_same_bits(dtype):
     # Below DESC_MIN_TILES row tiles A is read with masked loads (no padded copy), from there
     # through a TMA descriptor: the K order is the same, so the bits are too, on every M.
