@@ -16,7 +16,8 @@ Phases:
    committed); a config replaces the one in force only when it is STICKY faster, and Ms in a
    row with the same choice make one bucket. --tune-m / --tune-shapes pick the (shape, M)
    grid (the mixed steps' token buckets, say), --tune-spread N times N sizes spread over each
-   bucket instead of its bound alone, --tune-only stops after it;
+   bucket instead of its bound alone, --tune-configs times only the named candidates beside
+   each bucket's config in force, --tune-only stops after it;
 4. the benchmark (`detgate.bench.kernels_gpu.run_all`);
 5. invariance sweeps with the dispatch in force: M = 1..8192 on every projection (lm_head:
    1..1024, then every 7th M), fp16/fp32 spot sweeps, rms_norm / log_softmax rows, and the
@@ -133,12 +134,16 @@ def bucket_samples(m_values: tuple[int, ...], spread: int, floor: int = 0
     return buckets
 
 
-def _candidate_ms(n: int, k: int, m: int, weights: list) -> dict[str, float]:
-    """ms per call of torch and of every candidate config at one (shape, M)."""
+def _candidate_ms(n: int, k: int, m: int, weights: list,
+                  only: set[str] | None = None) -> dict[str, float]:
+    """ms per call of torch and of every candidate config (those in `only`, if given) at one
+    (shape, M)."""
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     inputs = [(a, w.t()) for w in weights]
     row = {"torch": graph_ms(lambda i, inp=inputs: torch.mm(*inp[i]), len(inputs), m * n * 2)}
     for cname, cfg in mm.CONFIGS_16BIT.items():
+        if only is not None and cname not in only:
+            continue
         if cname in BIT_DIFFERENT or (cfg.block_m == 64 and m > 256 and
                                       (cfg.block_n <= 64 or cfg.block_k > 64)):
             continue  # decode tiles only pay off while the weights dominate
@@ -148,10 +153,14 @@ def _candidate_ms(n: int, k: int, m: int, weights: list) -> dict[str, float]:
 
 
 def explore(shapes: list[str] | None = None, m_values: tuple[int, ...] = bench.M_VALUES,
-            spread: int = 1) -> dict:
+            spread: int = 1, configs: list[str] | None = None) -> dict:
     """Time every candidate config on every (shape, M bucket); returns the per-shape tuned
     table. With spread > 1 a bucket's figure per config is its mean over `spread` sizes in the
-    bucket (`bucket_samples`)."""
+    bucket (`bucket_samples`). With `configs`, only those and each bucket's config in force
+    are timed (new candidates against the shipped table, at a fraction of a full tune)."""
+    unknown = set(configs or ()) - set(mm.CONFIGS_16BIT)
+    if unknown:
+        raise ValueError(f"no such tile configs: {sorted(unknown)}")
     info = mm.device_info(torch.cuda.current_device())
     timings, table = {}, {}
     for name, (n, k) in bench.MATMUL_SHAPES.items():
@@ -161,11 +170,12 @@ def explore(shapes: list[str] | None = None, m_values: tuple[int, ...] = bench.M
         entries = []
         shipped = mm.TUNED_16BIT.get((n, k), ())
         for m, sizes in bucket_samples(m_values, spread, mm.bucket_floor(shipped, m_values[0])):
-            rows = [_candidate_ms(n, k, size, weights) for size in sizes]
+            default = bench.matmul_config_name(mm.pick_config(m, n, k, torch.bfloat16, info))
+            only = {*configs, default} if configs else None
+            rows = [_candidate_ms(n, k, size, weights, only) for size in sizes]
             row = {c: sum(r[c] for r in rows) / len(rows)
                    for c in rows[0] if all(c in r for r in rows)}
             best = min((v, c) for c, v in row.items() if c != "torch")
-            default = bench.matmul_config_name(mm.pick_config(m, n, k, torch.bfloat16, info))
             if default in row and row[default] <= best[0] / STICKY:
                 best = (row[default], default)
             timings[f"{name} M={m}"] = row if len(sizes) == 1 else \
@@ -255,6 +265,9 @@ def main() -> None:
                         + ")")
     parser.add_argument("--tune-spread", type=int, default=1,
                         help="sizes timed per M bucket for --tune (evenly spaced, the bound last)")
+    parser.add_argument("--tune-configs", default=None,
+                        help="comma-separated CONFIGS_16BIT names: time only these and the "
+                        "config in force per bucket")
     parser.add_argument("--tune-only", action="store_true",
                         help="--tune, then stop (no benchmark, sweeps or tests)")
     parser.add_argument("--deadline", type=float, default=360.0,
@@ -270,7 +283,9 @@ def main() -> None:
     if args.tune or args.tune_only:
         shapes = args.tune_shapes.split(",") if args.tune_shapes else None
         ms = tuple(int(m) for m in args.tune_m.split(",")) if args.tune_m else bench.M_VALUES
-        phase("explore", lambda: explore(shapes, ms, args.tune_spread), out, args.deadline)
+        configs = args.tune_configs.split(",") if args.tune_configs else None
+        phase("explore", lambda: explore(shapes, ms, args.tune_spread, configs), out,
+              args.deadline)
         log("TUNED_16BIT =", RESULT["explore"].get("table"))
         if args.tune_only:
             return
