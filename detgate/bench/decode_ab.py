@@ -12,6 +12,8 @@ i = sequence i) with the prefill's 64-row tiles (`decode_rows64`) and with its o
 engine picks it; `--tiles m16n64w4s3,...` adds decode launches with other tiles (rows, BLOCK_N,
 warps, stages); `--prefetch 0,2048,...` adds the decode variant with each matmul weight
 prefetch (bytes per weight row, kernels/matmul_triton.py PREFETCH_ROW_BYTES; 0: none);
+`--prefetch-weight 4096x4096:8192,...` adds the decode variant with one weight's (N x K: o_proj
+here) prefetch set apart (matmul_triton.PREFETCH_BY_WEIGHT);
 `--table FILE` adds the decode variant with the matmul tile table of a `kernels_proof --tune`
 run (its gpu_kernels.json) merged over the shipped one; `--kv-split 128,256,...` adds the decode
 variant with each attention KV split size (kernels/attention_triton.py KV_SPLIT: positions per
@@ -110,6 +112,8 @@ def main() -> int:
     p.add_argument("--tiles", default="", help="tile configs for more decode variants")
     p.add_argument("--prefetch", default="", help="matmul weight prefetch bytes per row, for "
                    "more decode variants")
+    p.add_argument("--prefetch-weight", default="", help="NxK:BYTES,...: a decode variant "
+                   "per entry with that weight's prefetch bytes per row")
     p.add_argument("--table", default="", help="kernels_proof's gpu_kernels.json: add the "
                    "decode variant with its tuned matmul table")
     p.add_argument("--kv-split", default="", help="attention KV split sizes (multiples of "
@@ -126,6 +130,17 @@ def main() -> int:
     for value in filter(None, args.prefetch.split(",")):
         name = f"decode_pf{int(value)}"
         variants[name], prefetch[name] = VARIANTS["decode"], int(value)
+        args.variants += f",{name}"
+    shipped_by_weight = dict(matmul_triton.PREFETCH_BY_WEIGHT)
+    by_weight: dict[str, dict[tuple[int, int], int]] = {}  # variant -> PREFETCH_BY_WEIGHT
+    for value in filter(None, args.prefetch_weight.split(",")):
+        match = re.fullmatch(r"(\d+)x(\d+):(\d+)", value)
+        if not match:
+            p.error(f"--prefetch-weight: {value!r} is not NxK:BYTES")
+        n, k, row_bytes = (int(x) for x in match.groups())
+        name = f"decode_pf{n}x{k}_{row_bytes}"
+        variants[name] = VARIANTS["decode"]
+        by_weight[name] = {**shipped_by_weight, (n, k): row_bytes}
         args.variants += f",{name}"
     shipped_split = attention_triton.KV_SPLIT
     shipped_below = attention_triton.SPLIT_PROGRAMS_BELOW
@@ -173,8 +188,12 @@ def main() -> int:
                 matmul_triton.TUNED_16BIT.update(table)
                 matmul_triton.clear_caches()  # the plans keep their tile choice
             row_bytes = prefetch.get(name, shipped_prefetch)
-            if row_bytes != matmul_triton.PREFETCH_ROW_BYTES:
+            weights = by_weight.get(name, shipped_by_weight)
+            if (row_bytes != matmul_triton.PREFETCH_ROW_BYTES
+                    or weights != matmul_triton.PREFETCH_BY_WEIGHT):
                 matmul_triton.PREFETCH_ROW_BYTES = row_bytes
+                matmul_triton.PREFETCH_BY_WEIGHT.clear()
+                matmul_triton.PREFETCH_BY_WEIGHT.update(weights)
                 matmul_triton.clear_caches()  # the plans keep the prefetch bytes
             for b in BATCHES:
                 runs[name][b].append(time_variant(runner, b, args.context, decode, args.reps))
@@ -187,6 +206,9 @@ def main() -> int:
     result = {"environment": environment("cuda"), "args": vars(args),
               "variants": {n: variants[n] for n in names},
               "prefetch_row_bytes": {n: prefetch.get(n, shipped_prefetch) for n in names},
+              "prefetch_by_weight": {n: {f"{nk[0]}x{nk[1]}": v for nk, v in
+                                         by_weight.get(n, shipped_by_weight).items()}
+                                     for n in names},
               "kv_split": {n: kv_split.get(n, shipped_split) for n in names},
               "split_programs_below": {n: split_below.get(n, shipped_below) for n in names},
               "matmul_tables": {n: {f"{nk[0]},{nk[1]}": v for nk, v in t.items()}

@@ -134,6 +134,10 @@ DESC_MIN_TILES = 1
 # (decode: the weights are streamed once, and their first bytes need not wait for A). 0: off.
 PREFETCH_ROW_BYTES = 1024
 PREFETCH_MAX_M = 64
+# Per weight (N, K): bytes per row instead of PREFETCH_ROW_BYTES. For a weight whose
+# predecessor runs long with the memory bus idle (o_proj after a small batch's attention, a few
+# programs bound by latency), its programs could ask for their whole tile while they wait.
+PREFETCH_BY_WEIGHT: dict[tuple[int, int], int] = {}
 
 # Fastest config per M bucket, measured on H200 (`python -m detgate.bench.kernels_proof --tune`,
 # Qwen3-8B projections, bench/results/kernels-h200-*.json): (N, K) -> ((M upper bound, config
@@ -461,13 +465,13 @@ def clear_caches() -> None:
     _WEIGHTS.clear()
 
 
-def prefetch_bytes(m: int, row_bytes: int) -> int:
+def prefetch_bytes(m: int, row_bytes: int, weight: tuple[int, int] | None = None) -> int:
     """Bytes of each weight row (row_bytes long) a program asks L2 for before its PDL wait:
-    PREFETCH_ROW_BYTES, at most the row, a multiple of 16 (the bulk prefetch's unit); 0 above
-    PREFETCH_MAX_M rows."""
+    PREFETCH_ROW_BYTES (PREFETCH_BY_WEIGHT's for a weight (N, K) there), at most the row, a
+    multiple of 16 (the bulk prefetch's unit); 0 above PREFETCH_MAX_M rows."""
     if m > PREFETCH_MAX_M:
         return 0
-    return min(row_bytes, PREFETCH_ROW_BYTES) // 16 * 16
+    return min(row_bytes, PREFETCH_BY_WEIGHT.get(weight, PREFETCH_ROW_BYTES)) // 16 * 16
 
 
 def _prefetches(a: torch.Tensor, b_is_nk: bool) -> bool:
@@ -617,7 +621,7 @@ class _Plan:
     def __init__(self, launch: _Launch, m: int, n: int, k: int):
         whole, self.grid, sub = _waves(m, n, launch.config, launch.max_programs)
         self.launch = launch
-        prefetch = prefetch_bytes(m, launch.row_bytes) if launch.prefetch else 0
+        prefetch = prefetch_bytes(m, launch.row_bytes, (n, k)) if launch.prefetch else 0
         # M, N, K, stride_am, whole tiles, grid, tail sub-tiles, the weight's rows, the bytes of
         # each to prefetch
         self.tail = (m, n, k, k, whole, self.grid, sub, *launch.weight_args, prefetch)
@@ -721,7 +725,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         _matmul_tma_kernel[(grid,)](
             *_operands(a, a_stride0, bt, b_is_nk, c, cfg, desc), bias_arg, m, n, k, a_stride0,
             whole, grid, sub, bt, bt.stride(0),
-            prefetch_bytes(m, k * a.element_size()) if prefetch else 0,
+            prefetch_bytes(m, k * a.element_size(), (n, k)) if prefetch else 0,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_N2=cfg.block_n2, BLOCK_K=cfg.block_k,
             GROUP_M=cfg.group_m, TAIL_M=cfg.tail_m, TAIL_N=cfg.tail_n, B_IS_NK=b_is_nk, A_DESC=desc,
             HAS_BIAS=bias is not None, PRECISION=precision, PREFETCH=prefetch,
