@@ -176,6 +176,36 @@ def test_a_tile_of_two_column_parts_has_no_tail():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matmul_warp_specialized_tiles_give_the_bits_of_plain_ones(dtype):
+    # On the GPU the K loop runs in producer and consumer warp groups; under the interpreter
+    # this checks the plumbing that goes with it: A always by descriptor (even below one row
+    # tile), C by plain stores, no prefetch, a second column part.
+    with contextlib.nullcontext() if ON_GPU else fixed_order_dot():
+        m, n, k = 150, 104, 64
+        a = _randn(m, k, dtype=dtype, seed=51)
+        w = _randn(n, k, dtype=dtype, seed=52)
+        for plain, ws in (
+                (mm_mod.TileConfig(128, 32, 4, 1, block_k=32),
+                 mm_mod.TileConfig(128, 32, 4, 1, block_k=32, warp_specialize=True)),
+                (mm_mod.TileConfig(128, 32, 4, 1, block_k=32, block_n2=16),
+                 mm_mod.TileConfig(128, 32, 4, 1, block_k=32, block_n2=16,
+                                   warp_specialize=True))):
+            ref = mm_mod.matmul(a, w.t(), config=plain)
+            assert same_bits(mm_mod.matmul(a, w.t(), config=ws), ref)
+            for rows in (1, 127, 129):
+                assert same_bits(mm_mod.matmul(a[:rows], w.t(), config=ws), ref[:rows]), rows
+        with pytest.raises(ValueError, match="by descriptor"):
+            mm_mod.matmul(a, w.t(), config=ws, a_desc=False)
+
+
+def test_warp_specialization_takes_what_tritons_partitioning_takes():
+    for bad in (dict(num_warps=8), dict(block_m=64), dict(tail_m=64, tail_n=128)):
+        args = {"block_m": 128, "block_n": 128, "num_warps": 4, "num_stages": 3, **bad}
+        with pytest.raises(ValueError, match="warp specialization"):
+            mm_mod.TileConfig(**args, warp_specialize=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matmul_a_by_descriptor_or_by_pointer_gives_the_same_bits(dtype):
     # Below DESC_MIN_TILES row tiles A is read with masked loads (no padded copy), from there
     # through a TMA descriptor: the K order is the same, so the bits are too, on every M.
