@@ -9,8 +9,9 @@ how many k16 steps one loop iteration issues (BLOCK_K), never the order of those
 per-element chain is the same for every config of a dtype. A config's tail (the tiles after
 the persistent grid's full waves, computed as smaller sub-tiles) is one more choice of which
 program computes an element; a tile of two column parts (`block_n2`) only puts an element's
-chain in the second of two accumulators, issued as MMAs of another width N; and a weight
-prefetch before the PDL wait only moves bytes into L2 earlier. That this holds on the hardware is
+chain in the second of two accumulators, issued as MMAs of another width N; warp
+specialization only changes which warps issue the loads and the MMAs; and a weight prefetch
+before the PDL wait only moves bytes into L2 earlier. That this holds on the hardware is
 checked bitwise, every config against every other on every projection shape, and over
 M = 1..8192 with the dispatch in force (tests/kernels/test_gpu_ops.py,
 detgate/bench/kernels_proof.py).
@@ -389,8 +390,8 @@ def _matmul_tma_kernel(a_desc, b_desc, c_desc, a2_desc, b2_desc, c2_desc, bias_p
                        stride_am, num_tiles, grid_size, tail_tiles, w_ptr, stride_wn,
                        prefetch_bytes, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_N2: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                       TAIL_M: tl.constexpr,
-                       TAIL_N: tl.constexpr, B_IS_NK: tl.constexpr, A_DESC: tl.constexpr,
+                       TAIL_M: tl.constexpr, TAIL_N: tl.constexpr, B_IS_NK: tl.constexpr,
+                       A_DESC: tl.constexpr,
                        HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
                        PREFETCH: tl.constexpr, THREADS: tl.constexpr, PDL: tl.constexpr,
                        WS: tl.constexpr):
@@ -520,7 +521,7 @@ def _b_layout(b: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 
 def _a_desc(m: int, cfg: TileConfig) -> bool:
-    """A and C through TMA descriptors from DESC_MIN_TILES row tiles up (measured on H200:
+    """A (and C) through TMA descriptors from DESC_MIN_TILES row tiles up (measured on H200:
     from one tile on, descriptors beat masked loads by up to 1.5x). Below a tile A is read
     with masked loads: TMA zero-fills rows past M far slower than it streams the weights, and
     a padded copy of A costs a launch. The K order is the same either way. A warp-specialized
@@ -577,8 +578,8 @@ class _Launch:
             _matmul_tma_kernel, (1,),
             (*operands, bias if bias is not None else c, m, n, k, k, 1, 1, 0, bt, bt.stride(0),
              0, cfg.block_m, cfg.block_n, cfg.block_n2, cfg.block_k, cfg.group_m, cfg.tail_m,
-             cfg.tail_n,
-             b_is_nk, a_desc, bias is not None, "ieee" if a.dtype == torch.float32 else "tf32",
+             cfg.tail_n, b_is_nk, a_desc, bias is not None,
+             "ieee" if a.dtype == torch.float32 else "tf32",
              self.prefetch, cfg.num_warps * 32, on, cfg.warp_specialize),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=on)
         self.weight_args = (bt.data_ptr(), bt.stride(0))
@@ -761,12 +762,11 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
             *_operands(a, a_stride0, bt, b_is_nk, c, cfg, desc), bias_arg, m, n, k, a_stride0,
             whole, grid, sub, bt, bt.stride(0),
             prefetch_bytes(m, k * a.element_size(), (n, k)) if prefetch else 0,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_N2=cfg.block_n2, BLOCK_K=cfg.block_k,
-            GROUP_M=cfg.group_m, TAIL_M=cfg.tail_m, TAIL_N=cfg.tail_n, B_IS_NK=b_is_nk, A_DESC=desc,
-            HAS_BIAS=bias is not None, PRECISION=precision, PREFETCH=prefetch,
-            WS=cfg.warp_specialize,
-            THREADS=cfg.num_warps * 32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **launch)
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_N2=cfg.block_n2,
+            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, TAIL_M=cfg.tail_m, TAIL_N=cfg.tail_n,
+            B_IS_NK=b_is_nk, A_DESC=desc, HAS_BIAS=bias is not None, PRECISION=precision,
+            PREFETCH=prefetch, WS=cfg.warp_specialize, THREADS=cfg.num_warps * 32,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
     else:
         stride_bk, stride_bn = (bt.stride(1), bt.stride(0)) if b_is_nk else bt.stride()
         grid = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
