@@ -130,6 +130,23 @@ def test_fast_launch_equals_the_jit_launch_and_keeps_no_weight_alive():
         assert same_bits(rn.row_sum(xs[:m]), sums[:m])
 
 
+def test_every_tile_config_through_the_fast_launch_gives_the_jit_bits(mm, monkeypatch):
+    # The path a table's choice takes (per-weight launch state, cached descriptors, C by
+    # pointer for warp-specialized tiles), for every config, A below and above one row tile.
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(300, 4096, device="cuda", dtype=torch.bfloat16)
+    for name, cfg in mm.CONFIGS_16BIT.items():
+        monkeypatch.setattr(mm, "pick_config", lambda *_, cfg=cfg: cfg)
+        mm.clear_caches()
+        for m in (1, 65, 300):
+            jit = mm.matmul(x[:m], w.t(), bias, config=cfg)
+            assert same_bits(mm.matmul(x[:m], w.t(), bias), jit), (name, m)
+            (weight,) = mm._WEIGHTS.values()
+            assert weight is not None and m in weight.by_m, (name, m)  # the fast launch ran
+    mm.clear_caches()
+
+
 def test_log_softmax_rows_do_not_depend_on_batch():
     ls = import_module("detgate.kernels.log_softmax_triton")
     x = torch.randn(257, 151936, device="cuda") * 4
