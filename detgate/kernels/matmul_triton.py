@@ -62,18 +62,20 @@ class TileConfig:
     # one accumulator's chain of k16 steps in increasing k; only the instruction's N differs.
     block_n2: int = 0
     # Each tile's K loop warp-specialized by Triton (Hopper): a producer warp group issues the
-    # TMA loads, two consumer warp groups the MMAs on 64 rows each (num_warps 4 runs as 12).
-    # Only which warps issue the loads and the MMAs changes, not what each element's chain
-    # sums. What Triton 3.6's partitioning takes: 128-row tiles, A always by descriptor, C
-    # by plain stores, no tail; weights are not prefetched (its thread ids assume num_warps).
+    # TMA loads, two consumer warp groups the MMAs on half the rows each (num_warps 4 runs as
+    # 12). Only which warps issue the loads and the MMAs changes, not what each element's
+    # chain sums. What Triton 3.6's partitioning takes: 128- or 256-row tiles, A always by
+    # descriptor, C by plain stores, no tail; weights are not prefetched (its thread ids
+    # assume num_warps).
     warp_specialize: bool = False
 
     def __post_init__(self) -> None:
         if self.block_n2 and self.tail_m:
             raise ValueError("a tile of two column parts has no tail sub-tiles")
-        if self.warp_specialize and (self.num_warps != 4 or self.block_m != 128
+        if self.warp_specialize and (self.num_warps != 4 or self.block_m not in (128, 256)
                                      or self.tail_m):
-            raise ValueError("warp specialization takes 128-row tiles, num_warps=4, no tail")
+            raise ValueError("warp specialization takes 128- or 256-row tiles, num_warps=4, "
+                             "no tail")
 
     @property
     def width(self) -> int:
@@ -135,6 +137,8 @@ CONFIGS_16BIT = {
     "m128n128ws6": TileConfig(128, 128, 4, 6, warp_specialize=True),
     "m128n128k128ws": TileConfig(128, 128, 4, 3, block_k=128, warp_specialize=True),
     "m128n160ws": TileConfig(128, 128, 4, 4, block_n2=32, warp_specialize=True),
+    "m256n128ws": TileConfig(256, 128, 4, 3, warp_specialize=True),
+    "m256n128ws4": TileConfig(256, 128, 4, 4, warp_specialize=True),
     # With a tail: the tiles after the full waves in halves or quarters.
     "m128n256t64": TileConfig(128, 256, 8, 3, tail_m=64, tail_n=256),
     "m128n256t64n128": TileConfig(128, 256, 8, 3, tail_m=64, tail_n=128),
