@@ -84,6 +84,20 @@ def _randn(*shape, dtype, seed):
     return torch.randn(*shape, generator=_gen(seed)).to(dtype).to(DEVICE)
 
 
+def _linear_case(m, n, k, dtype, seed):
+    """A [m, k], a weight [n, k] and a bias [n] for a linear layer, from seeds seed..seed+2."""
+    return (_randn(m, k, dtype=dtype, seed=seed), _randn(n, k, dtype=dtype, seed=seed + 1),
+            _randn(n, dtype=dtype, seed=seed + 2))
+
+
+@pytest.fixture
+def fixed_dot():
+    """The GPU's dot natively; under the interpreter one with a fixed order per element
+    (numpy's would give other bits by tile shape alone)."""
+    with contextlib.nullcontext() if ON_GPU else fixed_order_dot():
+        yield
+
+
 # ---------------------------------------------------------------------------------- matmul
 
 
@@ -105,19 +119,11 @@ def test_matmul_matches_reference_and_is_batch_invariant(dtype, b_layout):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matmul_tail_subtiles_give_the_bits_of_whole_tiles(dtype):
+def test_matmul_tail_subtiles_give_the_bits_of_whole_tiles(dtype, fixed_dot):
     # 3 x 3 tiles of 32 x 32 on the interpreter's 4 "SMs": 8 whole (two full waves), the last
     # one cut into four 16 x 16 sub-tiles spread over the programs; its lower half lies past M.
-    # Under the interpreter with a fixed-order dot (numpy's would differ by tile shape alone).
-    with contextlib.nullcontext() if ON_GPU else fixed_order_dot():
-        _check_tail_subtiles(dtype)
-
-
-def _check_tail_subtiles(dtype):
     m, n, k = 70, 96, 64
-    a = _randn(m, k, dtype=dtype, seed=31)
-    w = _randn(n, k, dtype=dtype, seed=32)
-    bias = _randn(n, dtype=dtype, seed=33)
+    a, w, bias = _linear_case(m, n, k, dtype, seed=31)
     whole = mm_mod.TileConfig(32, 32, 4, 1, block_k=32)
     tail = mm_mod.TileConfig(32, 32, 4, 1, block_k=32, tail_m=16, tail_n=16)
     sms = mm_mod.device_info(torch.cuda.current_device() if ON_GPU else None).num_sms
@@ -137,19 +143,12 @@ def _check_tail_subtiles(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matmul_tiles_of_two_column_parts_give_the_bits_of_whole_tiles(dtype):
+def test_matmul_tiles_of_two_column_parts_give_the_bits_of_whole_tiles(dtype, fixed_dot):
     # 48-column tiles (32 + 16, two accumulators) over N = 104: the last tile's first part is
     # cut by N and its second lies wholly past it. A by descriptor and by pointer, B as [N, K]
     # (a transposed nn.Linear weight) and as [K, N].
-    with contextlib.nullcontext() if ON_GPU else fixed_order_dot():
-        _check_two_column_parts(dtype)
-
-
-def _check_two_column_parts(dtype):
     m, n, k = 70, 104, 64
-    a = _randn(m, k, dtype=dtype, seed=41)
-    w = _randn(n, k, dtype=dtype, seed=42)
-    bias = _randn(n, dtype=dtype, seed=43)
+    a, w, bias = _linear_case(m, n, k, dtype, seed=41)
     whole = mm_mod.TileConfig(32, 32, 4, 1, block_k=32)
     wide = mm_mod.TileConfig(32, 32, 4, 1, block_k=32, block_n2=16)
     assert wide.width == 48
@@ -176,26 +175,25 @@ def test_a_tile_of_two_column_parts_has_no_tail():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matmul_warp_specialized_tiles_give_the_bits_of_plain_ones(dtype):
+def test_matmul_warp_specialized_tiles_give_the_bits_of_plain_ones(dtype, fixed_dot):
     # On the GPU the K loop runs in producer and consumer warp groups; under the interpreter
     # this checks the plumbing that goes with it: A always by descriptor (even below one row
     # tile), C by plain stores, no prefetch, a second column part.
-    with contextlib.nullcontext() if ON_GPU else fixed_order_dot():
-        m, n, k = 150, 104, 64
-        a = _randn(m, k, dtype=dtype, seed=51)
-        w = _randn(n, k, dtype=dtype, seed=52)
-        for plain, ws in (
-                (mm_mod.TileConfig(128, 32, 4, 1, block_k=32),
-                 mm_mod.TileConfig(128, 32, 4, 1, block_k=32, warp_specialize=True)),
-                (mm_mod.TileConfig(128, 32, 4, 1, block_k=32, block_n2=16),
-                 mm_mod.TileConfig(128, 32, 4, 1, block_k=32, block_n2=16,
-                                   warp_specialize=True))):
-            ref = mm_mod.matmul(a, w.t(), config=plain)
-            assert same_bits(mm_mod.matmul(a, w.t(), config=ws), ref)
-            for rows in (1, 127, 129):
-                assert same_bits(mm_mod.matmul(a[:rows], w.t(), config=ws), ref[:rows]), rows
-        with pytest.raises(ValueError, match="by descriptor"):
-            mm_mod.matmul(a, w.t(), config=ws, a_desc=False)
+    m, n, k = 150, 104, 64
+    a = _randn(m, k, dtype=dtype, seed=51)
+    w = _randn(n, k, dtype=dtype, seed=52)
+    for plain, ws in (
+            (mm_mod.TileConfig(128, 32, 4, 1, block_k=32),
+             mm_mod.TileConfig(128, 32, 4, 1, block_k=32, warp_specialize=True)),
+            (mm_mod.TileConfig(128, 32, 4, 1, block_k=32, block_n2=16),
+             mm_mod.TileConfig(128, 32, 4, 1, block_k=32, block_n2=16,
+                               warp_specialize=True))):
+        ref = mm_mod.matmul(a, w.t(), config=plain)
+        assert same_bits(mm_mod.matmul(a, w.t(), config=ws), ref)
+        for rows in (1, 127, 129):
+            assert same_bits(mm_mod.matmul(a[:rows], w.t(), config=ws), ref[:rows]), rows
+    with pytest.raises(ValueError, match="by descriptor"):
+        mm_mod.matmul(a, w.t(), config=ws, a_desc=False)
 
 
 def test_warp_specialization_takes_what_tritons_partitioning_takes():
@@ -210,9 +208,7 @@ def test_matmul_a_by_descriptor_or_by_pointer_gives_the_same_bits(dtype):
     # Below DESC_MIN_TILES row tiles A is read with masked loads (no padded copy), from there
     # through a TMA descriptor: the K order is the same, so the bits are too, on every M.
     m, n, k = 4 * mm_mod.CONFIG_INTERPRETER.block_m + 3, 40, 64
-    a = _randn(m, k, dtype=dtype, seed=21)
-    w = _randn(n, k, dtype=dtype, seed=22)
-    bias = _randn(n, dtype=dtype, seed=23)
+    a, w, bias = _linear_case(m, n, k, dtype, seed=21)
     by_desc = mm_mod.matmul(a, w.t(), bias, a_desc=True)
     assert same_bits(mm_mod.matmul(a, w.t(), bias, a_desc=False), by_desc)
     assert _rel_err(by_desc, reference.matmul(a, w.t(), bias)) < TOL[dtype]
