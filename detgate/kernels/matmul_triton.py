@@ -63,10 +63,11 @@ class TileConfig:
     block_n2: int = 0
     # Each tile's K loop warp-specialized by Triton (Hopper): a producer warp group issues the
     # TMA loads, two consumer warp groups the MMAs on half the rows each (num_warps 4 runs as
-    # 12). Only which warps issue the loads and the MMAs changes, not what each element's
-    # chain sums. What Triton 3.6's partitioning takes: 128- or 256-row tiles, A always by
-    # descriptor, C by plain stores, no tail; weights are not prefetched (its thread ids
-    # assume num_warps).
+    # 12). The partition spans the persistent loop over tiles, so the producer loads the next
+    # tile while the consumers store the last one. Only which warps issue the loads and the
+    # MMAs changes, not what each element's chain sums. What Triton 3.6's partitioning
+    # takes: 128- or 256-row tiles, A always by descriptor, C by plain stores, no tail;
+    # weights are not prefetched (its thread ids assume num_warps).
     warp_specialize: bool = False
 
     def __post_init__(self) -> None:
