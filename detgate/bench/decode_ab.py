@@ -100,6 +100,20 @@ def tuned_table(shipped: dict, path: str) -> dict:
     return table
 
 
+def prefetch_weight(value: str) -> tuple[tuple[int, int], int]:
+    """'NxK:BYTES' -> ((N, K), bytes per row): a matmul_triton.PREFETCH_BY_WEIGHT entry."""
+    match = re.fullmatch(r"(\d+)x(\d+):(\d+)", value)
+    if not match:
+        raise ValueError(f"{value!r} is not NxK:BYTES")
+    n, k, row_bytes = (int(x) for x in match.groups())
+    return (n, k), row_bytes
+
+
+def prefetch_weights(text: str) -> dict[tuple[int, int], int]:
+    """'NxK:BYTES,...' -> PREFETCH_BY_WEIGHT entries."""
+    return dict(prefetch_weight(value) for value in filter(None, text.split(",")))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -133,11 +147,11 @@ def main() -> int:
         args.variants += f",{name}"
     shipped_by_weight = dict(matmul_triton.PREFETCH_BY_WEIGHT)
     by_weight: dict[str, dict[tuple[int, int], int]] = {}  # variant -> PREFETCH_BY_WEIGHT
-    for value in filter(None, args.prefetch_weight.split(",")):
-        match = re.fullmatch(r"(\d+)x(\d+):(\d+)", value)
-        if not match:
-            p.error(f"--prefetch-weight: {value!r} is not NxK:BYTES")
-        n, k, row_bytes = (int(x) for x in match.groups())
+    try:
+        weights = [prefetch_weight(v) for v in filter(None, args.prefetch_weight.split(","))]
+    except ValueError as e:
+        p.error(f"--prefetch-weight: {e}")
+    for (n, k), row_bytes in weights:
         name = f"decode_pf{n}x{k}_{row_bytes}"
         variants[name] = VARIANTS["decode"]
         by_weight[name] = {**shipped_by_weight, (n, k): row_bytes}

@@ -58,6 +58,17 @@ def log(*parts) -> None:
     print(f"[{time.time() - T0:6.1f}s]", *parts, flush=True)
 
 
+def _prefetch_weights(text: str) -> str:
+    """--prefetch-weight, checked here and parsed in main (the args go into the JSON as given)."""
+    from detgate.bench.decode_ab import prefetch_weights
+
+    try:
+        prefetch_weights(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m detgate.bench.engine_gpu", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -93,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="warm-up captures mixed-step graphs up to this context width")
     p.add_argument("--table", default="", help="a kernels_proof --tune run's gpu_kernels.json: "
                    "its tuned buckets merged over the shipped matmul table for this run")
+    p.add_argument("--prefetch-weight", default="", type=_prefetch_weights,
+                   help="NxK:BYTES,...: matmul weight prefetch bytes per row for those "
+                   "weights in this run (matmul_triton.PREFETCH_BY_WEIGHT)")
     return p
 
 
@@ -456,6 +470,12 @@ def main(args: argparse.Namespace) -> int:
 
         table = tuned_table(dict(matmul_triton.TUNED_16BIT), args.table)
         matmul_triton.TUNED_16BIT.update(table)
+        matmul_triton.clear_caches()
+    if args.prefetch_weight:
+        from detgate.bench.decode_ab import prefetch_weights
+        from detgate.kernels import matmul_triton
+
+        matmul_triton.PREFETCH_BY_WEIGHT.update(prefetch_weights(args.prefetch_weight))
         matmul_triton.clear_caches()
     experiment = Experiment(args)
     experiment.run()
