@@ -268,6 +268,8 @@ def main() -> None:
     parser.add_argument("--tune-configs", default=None,
                         help="comma-separated CONFIGS_16BIT names: time only these and the "
                         "config in force per bucket")
+    parser.add_argument("--skip-bits", action="store_true",
+                        help="no cross-config bits phase (when the GPU tests just ran it)")
     parser.add_argument("--tune-only", action="store_true",
                         help="--tune, then stop (no benchmark, sweeps or tests)")
     parser.add_argument("--deadline", type=float, default=360.0,
@@ -279,7 +281,8 @@ def main() -> None:
     log(RESULT["environment"])
     phase("ceilings", ceilings, out, args.deadline)
     log(RESULT["ceilings"])
-    phase("cross_config_bits", cross_config_bits, out, args.deadline)
+    if not args.skip_bits:
+        phase("cross_config_bits", cross_config_bits, out, args.deadline)
     if args.tune or args.tune_only:
         shapes = args.tune_shapes.split(",") if args.tune_shapes else None
         ms = tuple(int(m) for m in args.tune_m.split(",")) if args.tune_m else bench.M_VALUES
