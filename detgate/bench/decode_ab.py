@@ -148,10 +148,10 @@ def main() -> int:
     shipped_by_weight = dict(matmul_triton.PREFETCH_BY_WEIGHT)
     by_weight: dict[str, dict[tuple[int, int], int]] = {}  # variant -> PREFETCH_BY_WEIGHT
     try:
-        weights = [prefetch_weight(v) for v in filter(None, args.prefetch_weight.split(","))]
+        entries = [prefetch_weight(v) for v in filter(None, args.prefetch_weight.split(","))]
     except ValueError as e:
         p.error(f"--prefetch-weight: {e}")
-    for (n, k), row_bytes in weights:
+    for (n, k), row_bytes in entries:
         name = f"decode_pf{n}x{k}_{row_bytes}"
         variants[name] = VARIANTS["decode"]
         by_weight[name] = {**shipped_by_weight, (n, k): row_bytes}

@@ -194,6 +194,11 @@ def test_matmul_warp_specialized_tiles_give_the_bits_of_plain_ones(dtype, fixed_
             assert same_bits(mm_mod.matmul(a[:rows], w.t(), config=ws), ref[:rows]), rows
     with pytest.raises(ValueError, match="by descriptor"):
         mm_mod.matmul(a, w.t(), config=ws, a_desc=False)
+    if not ON_GPU and dtype == torch.float32:
+        # Control: a change of the K chain (16-wide dots) in a warp-specialized tile is seen.
+        chunked = mm_mod.TileConfig(128, 32, 4, 1, block_k=16, warp_specialize=True)
+        assert not same_bits(mm_mod.matmul(a, w.t(), config=chunked),
+                             mm_mod.matmul(a, w.t(), config=plain))
 
 
 def test_warp_specialization_takes_what_tritons_partitioning_takes():
