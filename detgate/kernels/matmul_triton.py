@@ -8,10 +8,8 @@ may follow the problem's shape because it decides only which program computes an
 how many k16 steps one loop iteration issues (BLOCK_K), never the order of those steps: the
 per-element chain is the same for every config of a dtype. A config's tail (the tiles after
 the persistent grid's full waves, computed as smaller sub-tiles) is one more choice of which
-program computes an element; a tile of two column parts (`block_n2`) only puts an element's
-chain in the second of two accumulators, issued as MMAs of another width N; warp
-specialization only changes which warps issue the loads and the MMAs; and a weight prefetch
-before the PDL wait only moves bytes into L2 earlier. That this holds on the hardware is
+program computes an element, and a weight prefetch before the PDL wait only moves bytes into
+L2 earlier. That this holds on the hardware is
 checked bitwise, every config against every other on every projection shape, and over
 M = 1..8192 with the dispatch in force (tests/kernels/test_gpu_ops.py,
 detgate/bench/kernels_proof.py).
@@ -55,33 +53,6 @@ class TileConfig:
     # it spreads over all of them (0: no tail). Only which program computes an element changes.
     tail_m: int = 0
     tail_n: int = 0
-    # A second column part of block_n2 columns right of the first, with its own accumulator
-    # and its own MMA chain (0: none). A tile is then block_n + block_n2 wide, a width no power
-    # of two need be (128 + 64, 128 + 32): where M x N in 128 x 256 or 128 x 128 tiles leaves a
-    # last wave of a few tiles, 192 or 160 columns may fill whole waves. Each element is still
-    # one accumulator's chain of k16 steps in increasing k; only the instruction's N differs.
-    block_n2: int = 0
-    # Each tile's K loop warp-specialized by Triton (Hopper): a producer warp group issues the
-    # TMA loads, two consumer warp groups the MMAs on half the rows each (num_warps 4 runs as
-    # 12). The partition spans the persistent loop over tiles, so the producer loads the next
-    # tile while the consumers store the last one. Only which warps issue the loads and the
-    # MMAs changes, not what each element's chain sums. What Triton 3.6's partitioning
-    # takes: 128- or 256-row tiles, A always by descriptor, C by plain stores, no tail;
-    # weights are not prefetched (its thread ids assume num_warps).
-    warp_specialize: bool = False
-
-    def __post_init__(self) -> None:
-        if self.block_n2 and self.tail_m:
-            raise ValueError("a tile of two column parts has no tail sub-tiles")
-        if self.warp_specialize and (self.num_warps != 4 or self.block_m not in (128, 256)
-                                     or self.tail_m):
-            raise ValueError("warp specialization takes 128- or 256-row tiles, num_warps=4, "
-                             "no tail")
-
-    @property
-    def width(self) -> int:
-        """Columns of C per tile."""
-        return self.block_n + self.block_n2
 
     @property
     def subtiles(self) -> int:
@@ -122,24 +93,6 @@ CONFIGS_16BIT = {
     "m16n32k256": TileConfig(16, 32, 4, 4, block_k=256),
     "m16n128k128": TileConfig(16, 128, 4, 3, block_k=128),
     "m16n64k128c2": TileConfig(16, 64, 4, 5, block_k=128, ctas_per_sm=2),
-    # Two column parts (block_n + block_n2 wide): widths between the powers of two, for the
-    # buckets where 128- and 256-column tiles leave a last wave nearly empty (o_proj and
-    # down_proj at 640, 768 or 1,280 rows fill 132 SMs with 128 x 160 or 128 x 192 tiles).
-    "m128n192": TileConfig(128, 128, 8, 4, block_n2=64),
-    "m128n192s3": TileConfig(128, 128, 8, 3, block_n2=64),
-    "m128n160": TileConfig(128, 128, 8, 4, block_n2=32),
-    "m64n192": TileConfig(64, 128, 4, 5, block_n2=64),
-    "m128n96": TileConfig(128, 64, 4, 6, block_n2=32),
-    # Warp-specialized K loops (a producer warp group for the loads, two consumer groups for
-    # the MMAs): loads no longer wait behind the MMAs that one group issues.
-    "m128n256ws": TileConfig(128, 256, 4, 3, warp_specialize=True),
-    "m128n256ws4": TileConfig(128, 256, 4, 4, warp_specialize=True),
-    "m128n128ws": TileConfig(128, 128, 4, 4, warp_specialize=True),
-    "m128n128ws6": TileConfig(128, 128, 4, 6, warp_specialize=True),
-    "m128n128k128ws": TileConfig(128, 128, 4, 3, block_k=128, warp_specialize=True),
-    "m128n160ws": TileConfig(128, 128, 4, 4, block_n2=32, warp_specialize=True),
-    "m256n128ws": TileConfig(256, 128, 4, 3, warp_specialize=True),
-    "m256n128ws4": TileConfig(256, 128, 4, 4, warp_specialize=True),
     # With a tail: the tiles after the full waves in halves or quarters.
     "m128n256t64": TileConfig(128, 256, 8, 3, tail_m=64, tail_n=256),
     "m128n256t64n128": TileConfig(128, 256, 8, 3, tail_m=64, tail_n=128),
@@ -332,120 +285,83 @@ def _prefetch_rows(first_row, rows, row_stride, nbytes, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def _load_b(b_desc, off_n, k, B_IS_NK: tl.constexpr):
-    """B's [BLOCK_K, columns] tile at (k, off_n), from B as [N, K] (nn.Linear) or [K, N]."""
-    if B_IS_NK:  # noqa: SIM108 (compile time: one branch is compiled)
-        b = b_desc.load([off_n, k]).T
-    else:
-        b = b_desc.load([k, off_n])
-    return b
-
-
-@triton.jit
-def _store_c(c_desc, acc, bias_ptr, M, N, off_m, off_n, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr, C_DESC: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """acc (+ bias) into C[off_m : off_m + BLOCK_M, off_n : off_n + BLOCK_N], rounded once."""
+def _tile(a_desc, b_desc, c_desc, bias_ptr, M, N, K, stride_am, off_m, off_n,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          B_IS_NK: tl.constexpr, A_DESC: tl.constexpr, HAS_BIAS: tl.constexpr,
+          PRECISION: tl.constexpr):
+    """C[off_m : off_m + BLOCK_M, off_n : off_n + BLOCK_N], one program, one accumulator."""
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
-        acc = acc + bias.to(tl.float32)[None, :]
-    if C_DESC:
-        c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
-    else:
-        tl.store(c_desc + offs_m[:, None] * N + offs_n[None, :], acc.to(c_desc.dtype.element_ty),
-                 mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
-
-
-@triton.jit
-def _tile(a_desc, b_desc, c_desc, b2_desc, c2_desc, bias_ptr, M, N, K, stride_am, off_m, off_n,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_N2: tl.constexpr,
-          BLOCK_K: tl.constexpr, B_IS_NK: tl.constexpr, A_DESC: tl.constexpr,
-          C_DESC: tl.constexpr, WS: tl.constexpr, HAS_BIAS: tl.constexpr,
-          PRECISION: tl.constexpr):
-    """C[off_m : off_m + BLOCK_M, off_n : off_n + BLOCK_N + BLOCK_N2], one program: one
-    accumulator per column part (b2_desc / c2_desc: the second part's, with BLOCK_N2 > 0)."""
-    offs_m = off_m + tl.arange(0, BLOCK_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    ACC2_N: tl.constexpr = BLOCK_N2 if BLOCK_N2 > 0 else 16  # unused (and dropped) without one
-    acc2 = tl.zeros((BLOCK_M, ACC2_N), dtype=tl.float32)
-    # The K order: chunk 0, 1, ... k_tiles-1, one dot each, into the same accumulator (each
-    # part's columns into their own). Out-of-range rows/columns/K are zero-filled by the
-    # descriptor or the load mask alike.
-    for ki in tl.range(tl.cdiv(K, BLOCK_K), warp_specialize=WS):
+    # The K order: chunk 0, 1, ... k_tiles-1, one dot each, into the same accumulator.
+    # Out-of-range rows/columns/K are zero-filled by the descriptor or the load mask alike.
+    for ki in range(tl.cdiv(K, BLOCK_K)):
         if A_DESC:
             a = a_desc.load([off_m, ki * BLOCK_K])
         else:
             offs_k = ki * BLOCK_K + tl.arange(0, BLOCK_K)
             a = tl.load(a_desc + offs_m[:, None] * stride_am + offs_k[None, :],
                         mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
-        acc = tl.dot(a, _load_b(b_desc, off_n, ki * BLOCK_K, B_IS_NK), acc,
-                     input_precision=PRECISION)
-        if BLOCK_N2 > 0:
-            acc2 = tl.dot(a, _load_b(b2_desc, off_n + BLOCK_N, ki * BLOCK_K, B_IS_NK), acc2,
-                          input_precision=PRECISION)
-    _store_c(c_desc, acc, bias_ptr, M, N, off_m, off_n, BLOCK_M, BLOCK_N, C_DESC, HAS_BIAS)
-    if BLOCK_N2 > 0:
-        _store_c(c2_desc, acc2, bias_ptr, M, N, off_m, off_n + BLOCK_N, BLOCK_M, BLOCK_N2,
-                 C_DESC, HAS_BIAS)
+        if B_IS_NK:  # noqa: SIM108 (compile time: one branch is compiled)
+            b = b_desc.load([off_n, ki * BLOCK_K]).T
+        else:
+            b = b_desc.load([ki * BLOCK_K, off_n])
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+        acc = acc + bias.to(tl.float32)[None, :]
+    if A_DESC:
+        c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+    else:
+        tl.store(c_desc + offs_m[:, None] * N + offs_n[None, :], acc.to(c_desc.dtype.element_ty),
+                 mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
 @triton.jit(do_not_specialize=["M", "num_tiles", "grid_size", "tail_tiles", "prefetch_bytes"])
 def _matmul_tma_kernel(a_desc, b_desc, c_desc, a2_desc, b2_desc, c2_desc, bias_ptr, M, N, K,
                        stride_am, num_tiles, grid_size, tail_tiles, w_ptr, stride_wn,
                        prefetch_bytes, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_N2: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                       TAIL_M: tl.constexpr, TAIL_N: tl.constexpr, B_IS_NK: tl.constexpr,
-                       A_DESC: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, TAIL_M: tl.constexpr,
+                       TAIL_N: tl.constexpr, B_IS_NK: tl.constexpr, A_DESC: tl.constexpr,
                        HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-                       PREFETCH: tl.constexpr, THREADS: tl.constexpr, PDL: tl.constexpr,
-                       WS: tl.constexpr):
-    WIDTH: tl.constexpr = BLOCK_N + BLOCK_N2  # columns per tile
-    # WS: each tile's K loop warp-specialized; C then leaves through plain stores and the
-    # persistent loops are not flattened (both of which Triton's partitioning needs).
-    C_DESC: tl.constexpr = A_DESC and not WS
-    FLATTEN: tl.constexpr = not WS
+                       PREFETCH: tl.constexpr, THREADS: tl.constexpr, PDL: tl.constexpr):
     if PREFETCH:  # noqa: SIM102 (compile time; the test below is a runtime one)
         # The weights (w_ptr: B as [N, K] rows, the descriptor's memory) are not the
         # predecessor's output: while this program waits for A's producer, L2 can already
         # fetch the start of its first tile's weight rows, a few k-steps' worth.
         if prefetch_bytes > 0:
-            _, pid_n0 = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, WIDTH),
+            _, pid_n0 = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N),
                                      GROUP_M)
-            first = pid_n0 * WIDTH
+            first = pid_n0 * BLOCK_N
             elem: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
             _prefetch_rows((w_ptr + first.to(tl.int64) * stride_wn).to(tl.int64, bitcast=True),
-                           tl.minimum(N - first, WIDTH), stride_wn * elem, prefetch_bytes,
-                           WIDTH, THREADS)
+                           tl.minimum(N - first, BLOCK_N), stride_wn * elem, prefetch_bytes,
+                           BLOCK_N, THREADS)
     pdl.enter(PDL)  # launched early, waits for A's producer (kernels/pdl.py)
-    # A_DESC: A (and C, unless WS) are TMA descriptors; otherwise plain pointers (A rows
-    # stride_am apart, C rows N apart), read and written with row masks. B is always a
-    # descriptor.
+    # A_DESC: A and C are TMA descriptors; otherwise plain pointers (A rows stride_am apart,
+    # C rows N apart), read and written with row masks. B is always a descriptor.
     num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, WIDTH)
-    # Tiles 0 .. num_tiles-1 of the BLOCK_M x WIDTH grid (full waves of the persistent grid).
-    # With BLOCK_N2 > 0, b2/c2 are the descriptors of each tile's second column part.
-    for tile_id in tl.range(tl.program_id(0), num_tiles, grid_size, flatten=FLATTEN):
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # Tiles 0 .. num_tiles-1 of the BLOCK_M x BLOCK_N grid (full waves of the persistent grid).
+    for tile_id in tl.range(tl.program_id(0), num_tiles, grid_size, flatten=True):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        _tile(a_desc, b_desc, c_desc, b2_desc, c2_desc, bias_ptr, M, N, K, stride_am,
-              pid_m * BLOCK_M, pid_n * WIDTH, BLOCK_M, BLOCK_N, BLOCK_N2, BLOCK_K, B_IS_NK,
-              A_DESC, C_DESC, WS, HAS_BIAS, PRECISION)
+        _tile(a_desc, b_desc, c_desc, bias_ptr, M, N, K, stride_am, pid_m * BLOCK_M,
+              pid_n * BLOCK_N, BLOCK_M, BLOCK_N, BLOCK_K, B_IS_NK, A_DESC, HAS_BIAS, PRECISION)
     if TAIL_M > 0:
         # The grid's remaining tiles, each cut into SPLIT_M x SPLIT_N sub-tiles of TAIL_M x
-        # TAIL_N (descriptors a2/b2/c2 have those boxes; no second column part then): a last
-        # wave that would leave most programs idle is spread over all of them. Sub-tiles of one
-        # tile go to consecutive programs. Every element is still one program's one
-        # accumulator over the same K chain.
+        # TAIL_N (descriptors a2/b2/c2 have those boxes): a last wave that would leave most
+        # programs idle is spread over all of them. Sub-tiles of one tile go to consecutive
+        # programs. Every element is still one program's one accumulator over the same K chain.
         SPLIT_M: tl.constexpr = BLOCK_M // TAIL_M
         SPLIT_N: tl.constexpr = BLOCK_N // TAIL_N
-        for t in tl.range(tl.program_id(0), tail_tiles, grid_size, flatten=FLATTEN):
+        for t in tl.range(tl.program_id(0), tail_tiles, grid_size, flatten=True):
             pid_m, pid_n = _tile_coords(num_tiles + t // (SPLIT_M * SPLIT_N), num_pid_m,
                                         num_pid_n, GROUP_M)
             sub = t % (SPLIT_M * SPLIT_N)
-            _tile(a2_desc, b2_desc, c2_desc, b2_desc, c2_desc, bias_ptr, M, N, K, stride_am,
+            _tile(a2_desc, b2_desc, c2_desc, bias_ptr, M, N, K, stride_am,
                   pid_m * BLOCK_M + (sub // SPLIT_N) * TAIL_M,
-                  pid_n * BLOCK_N + (sub % SPLIT_N) * TAIL_N, TAIL_M, TAIL_N, 0, BLOCK_K,
-                  B_IS_NK, A_DESC, C_DESC, WS, HAS_BIAS, PRECISION)
+                  pid_n * BLOCK_N + (sub % SPLIT_N) * TAIL_N, TAIL_M, TAIL_N, BLOCK_K, B_IS_NK,
+                  A_DESC, HAS_BIAS, PRECISION)
 
 
 @triton.jit
@@ -504,10 +420,10 @@ def prefetch_bytes(m: int, row_bytes: int, weight: tuple[int, int] | None = None
     return min(row_bytes, PREFETCH_BY_WEIGHT.get(weight, PREFETCH_ROW_BYTES)) // 16 * 16
 
 
-def _prefetches(a: torch.Tensor, b_is_nk: bool, cfg: TileConfig) -> bool:
+def _prefetches(a: torch.Tensor, b_is_nk: bool) -> bool:
     """Whether a launch may prefetch its weight rows: only where it starts early (PDL), from
-    [N, K] weights (rows of K), 16-bit, without warp specialization."""
-    return b_is_nk and pdl.on(a) and a.element_size() == 2 and not cfg.warp_specialize
+    [N, K] weights (rows of K), 16-bit."""
+    return b_is_nk and pdl.on(a) and a.element_size() == 2
 
 
 def _tma_ok(t: torch.Tensor, strides: tuple[int, ...]) -> bool:
@@ -526,40 +442,34 @@ def _b_layout(b: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 
 def _a_desc(m: int, cfg: TileConfig) -> bool:
-    """A (and C) through TMA descriptors from DESC_MIN_TILES row tiles up (measured on H200:
+    """A and C through TMA descriptors from DESC_MIN_TILES row tiles up (measured on H200:
     from one tile on, descriptors beat masked loads by up to 1.5x). Below a tile A is read
     with masked loads: TMA zero-fills rows past M far slower than it streams the weights, and
-    a padded copy of A costs a launch. The K order is the same either way. A warp-specialized
-    config always takes A by descriptor (its producer warps issue TMA loads only)."""
-    return cfg.warp_specialize or m >= DESC_MIN_TILES * cfg.block_m
+    a padded copy of A costs a launch. The K order is the same either way."""
+    return m >= DESC_MIN_TILES * cfg.block_m
 
 
 def _operands(a: torch.Tensor, a_stride0: int, bt: torch.Tensor, b_is_nk: bool,
               c: torch.Tensor, cfg: TileConfig, a_desc: bool) -> tuple:
-    """The kernel's A, B, C and second A, B, C arguments: TMA descriptors with the tiles'
-    boxes (A and C plain tensors without a_desc, C one with warp specialization). The second
-    set has the boxes of the second column part, else of the tail's sub-tiles; with neither it
-    repeats the first."""
+    """The kernel's A, B, C and tail A, B, C arguments: TMA descriptors with the tiles' boxes
+    (A and C plain tensors without a_desc); without a tail, the tail's are the main ones."""
     (m, k), n = a.shape, c.shape[1]
-    c_desc = a_desc and not cfg.warp_specialize
 
     def three(block_m: int, block_n: int) -> tuple:
         b_block = [block_n, cfg.block_k] if b_is_nk else [cfg.block_k, block_n]
         return (TensorDescriptor(a, [m, k], [a_stride0, 1], [block_m, cfg.block_k])
                 if a_desc else a,
                 TensorDescriptor(bt, list(bt.shape), [bt.stride(0), 1], b_block),
-                TensorDescriptor(c, [m, n], [n, 1], [block_m, block_n]) if c_desc else c)
+                TensorDescriptor(c, [m, n], [n, 1], [block_m, block_n]) if a_desc else c)
 
     main = three(cfg.block_m, cfg.block_n)
-    if cfg.block_n2:
-        return (*main, *three(cfg.block_m, cfg.block_n2))
     return (*main, *(three(cfg.tail_m, cfg.tail_n) if cfg.tail_m else main))
 
 
 def _waves(m: int, n: int, cfg: TileConfig, max_programs: int) -> tuple[int, int, int]:
     """(tiles computed whole, programs, tail sub-tiles): the full waves of the persistent grid
     take whole tiles; with a tail config the tiles after them are cut into sub-tiles."""
-    total = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.width)
+    total = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     grid = min(total, max_programs)
     full = total // grid * grid
     if not cfg.tail_m or full == total:
@@ -578,27 +488,22 @@ class _Launch:
         c = a.new_empty((m, n))
         operands = _operands(a, k, bt, b_is_nk, c, cfg, a_desc)
         on = pdl.on(a)
-        self.prefetch = _prefetches(a, b_is_nk, cfg)
+        self.prefetch = _prefetches(a, b_is_nk)
         self.launcher = Launcher(
             _matmul_tma_kernel, (1,),
             (*operands, bias if bias is not None else c, m, n, k, k, 1, 1, 0, bt, bt.stride(0),
-             0, cfg.block_m, cfg.block_n, cfg.block_n2, cfg.block_k, cfg.group_m, cfg.tail_m,
-             cfg.tail_n, b_is_nk, a_desc, bias is not None,
-             "ieee" if a.dtype == torch.float32 else "tf32",
-             self.prefetch, cfg.num_warps * 32, on, cfg.warp_specialize),
+             0, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.tail_m, cfg.tail_n,
+             b_is_nk, a_desc, bias is not None, "ieee" if a.dtype == torch.float32 else "tf32",
+             self.prefetch, cfg.num_warps * 32, on),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=on)
         self.weight_args = (bt.data_ptr(), bt.stride(0))
         self.row_bytes = k * bt.element_size()
-        # The launcher numbers the descriptor parameters among themselves: of A, B, C, A2, B2,
-        # C2, the ones that are descriptors (B and B2 always; A and A2 with a_desc; C and C2
-        # with a_desc, unless warp-specialized).
-        slots = [i for i, op in enumerate(operands) if isinstance(op, TensorDescriptor)]
-        self.b_args = tuple(self.launcher.descriptor_arg(slots.index(1), operands[1]))
-        self.b2_args = tuple(self.launcher.descriptor_arg(slots.index(4), operands[4]))
-        # Per-call encoders of A, C, A2, C2 (None: a plain pointer); all None without a_desc.
-        encoders = tuple(self.launcher.encoder(slots.index(i)) if i in slots else None
-                         for i in (0, 2, 3, 5))
-        self.encoders = encoders if a_desc else None
+        # Descriptor parameters in order: A, B, C, A2, B2, C2 (B and B2 only without a_desc).
+        first_b = 1 if a_desc else 0
+        self.b_args = tuple(self.launcher.descriptor_arg(first_b, operands[1]))
+        self.b2_args = tuple(self.launcher.descriptor_arg(first_b + (3 if a_desc else 1),
+                                                          operands[4]))
+        self.encoders = tuple(self.launcher.encoder(i) for i in (0, 2, 3, 5)) if a_desc else None
         self.config = cfg
         self.max_programs = info.num_sms * cfg.ctas_per_sm
         # (A's address, C's address, M) -> the encoded A, B and C descriptor arguments. An
@@ -617,11 +522,9 @@ class _Launch:
             if len(self.descriptors) >= _MAX_DESCRIPTORS:
                 self.descriptors.clear()
             enc_a, enc_c, enc_a2, enc_c2 = self.encoders
-            c_args = enc_c(c_ptr, [m, n], [n, 1]) if enc_c else (c_ptr,)
-            c2_args = enc_c2(c_ptr, [m, n], [n, 1]) if enc_c2 else (c_ptr,)
             args = self.descriptors[key] = (
-                *enc_a(a_ptr, [m, k], [k, 1]), *self.b_args, *c_args,
-                *enc_a2(a_ptr, [m, k], [k, 1]), *self.b2_args, *c2_args)
+                *enc_a(a_ptr, [m, k], [k, 1]), *self.b_args, *enc_c(c_ptr, [m, n], [n, 1]),
+                *enc_a2(a_ptr, [m, k], [k, 1]), *self.b2_args, *enc_c2(c_ptr, [m, n], [n, 1]))
         return args
 
 
@@ -759,19 +662,17 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     launch = pdl.options(a)
     if use_tma:
         desc = _a_desc(m, cfg) if a_desc is None else a_desc
-        if cfg.warp_specialize and not desc:
-            raise ValueError("a warp-specialized tile config reads A by descriptor")
         whole, grid, sub = _waves(m, n, cfg, info.num_sms * cfg.ctas_per_sm)
-        prefetch = _prefetches(a, b_is_nk, cfg)
+        prefetch = _prefetches(a, b_is_nk)
         _matmul_tma_kernel[(grid,)](
             *_operands(a, a_stride0, bt, b_is_nk, c, cfg, desc), bias_arg, m, n, k, a_stride0,
             whole, grid, sub, bt, bt.stride(0),
             prefetch_bytes(m, k * a.element_size(), (n, k)) if prefetch else 0,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_N2=cfg.block_n2,
-            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, TAIL_M=cfg.tail_m, TAIL_N=cfg.tail_n,
-            B_IS_NK=b_is_nk, A_DESC=desc, HAS_BIAS=bias is not None, PRECISION=precision,
-            PREFETCH=prefetch, WS=cfg.warp_specialize, THREADS=cfg.num_warps * 32,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            TAIL_M=cfg.tail_m, TAIL_N=cfg.tail_n, B_IS_NK=b_is_nk, A_DESC=desc,
+            HAS_BIAS=bias is not None, PRECISION=precision, PREFETCH=prefetch,
+            THREADS=cfg.num_warps * 32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **launch)
     else:
         stride_bk, stride_bn = (bt.stride(1), bt.stride(0)) if b_is_nk else bt.stride()
         grid = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)

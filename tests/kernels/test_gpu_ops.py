@@ -131,8 +131,8 @@ def test_fast_launch_equals_the_jit_launch_and_keeps_no_weight_alive():
 
 
 def test_every_tile_config_through_the_fast_launch_gives_the_jit_bits(mm, monkeypatch):
-    # The path a table's choice takes (per-weight launch state, cached descriptors, C by
-    # pointer for warp-specialized tiles), for every config, A below and above one row tile.
+    # The path a table's choice takes (per-weight launch state, cached descriptors), for every
+    # config, A below and above one row tile.
     # (No bias: the kernels test_every_tile_config_gives_the_same_bits compiled serve here.)
     a, w = _weights(4096, 4096)
     for name, cfg in mm.CONFIGS_16BIT.items():
