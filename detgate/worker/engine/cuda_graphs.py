@@ -209,10 +209,9 @@ def token_buckets(max_tokens: int, step: int = 128) -> list[int]:
     """Scheduled-token counts that mixed-step graphs are captured for: 16, 32, 64, then every
     multiple of `step`, up to max_tokens (always included). A step of t tokens runs in the
     smallest bucket >= t, so it carries fewer than `step` padding tokens: at most one more
-    row of matmul tiles. Its matmuls run at M = the bucket, whose
-    tile choice is the one tuned for that size (kernels/matmul_triton.py TUNED_16BIT: above
-    256 rows its buckets end at multiples of 128), so a tune of the mixed steps times those
-    sizes."""
+    row of matmul tiles. Its matmuls run at M = the bucket, whose tile choice is the one tuned
+    for that size (kernels/matmul_triton.py TUNED_16BIT: above 256 rows its buckets end at
+    multiples of 128), so a tune of the mixed steps times those sizes."""
     sizes = [t for t in (16, 32, 64, 128) if t < min(step, max_tokens)]
     sizes += list(range(step, max_tokens, step))
     return sorted({*sizes, max_tokens})
