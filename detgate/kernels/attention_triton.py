@@ -25,13 +25,6 @@ on 16 rows, wgmma on 64 rows on Hopper): that both give each element the same bi
 hardware's, checked on the GPU (tests/kernels/test_attention_gpu.py: every position decoded
 against its prefill) and at every worker start (kernels/selfcheck.py); DETGATE_DECODE_TILE=0
 makes decode launches take the 64-row tiles.
-A mixed call (prefill chunks beside decoding sequences, `decode=False`) is two launches of
-those same two shapes: the decode tiles for the sequences of exactly one query (program i =
-sequence i, the others return at once), then the general launch for the rest (its programs of
-one-query sequences return at once). Each query is still computed whole by one program of one
-of the two tiles, so its bits are those of either launch alone; what it saves is the general
-tile's 64 rows spent on a decoding sequence's GROUP rows. DETGATE_MIXED_DECODE_TILE=0 keeps
-mixed calls in one general launch (a switch for measuring it).
 
 Rows of a program are (query, head of the GQA group) pairs: row r = query r // GROUP_PAD of the
 block, q head kv_head * GROUP + r % GROUP_PAD. Keys are read by position through the block
@@ -54,9 +47,6 @@ from detgate.kernels.attention_tiles import DECODE, SHIPPED
 BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = SHIPPED
 DECODE_BLOCK_M, DECODE_NUM_WARPS, DECODE_NUM_STAGES = DECODE
 DECODE_TILE = os.environ.get("DETGATE_DECODE_TILE", "1") != "0"
-MIXED_DECODE_TILE = DECODE_TILE and os.environ.get("DETGATE_MIXED_DECODE_TILE", "1") != "0"
-# Which sequences a launch computes (`SEQS`): all, only those of one query, only the others.
-ALL_SEQS, ONE_QUERY_SEQS, LONGER_SEQS = 0, 1, 2
 # Columns of the ones that p is multiplied by for its row sum: the MMA's smallest N.
 ROW_SUM_COLUMNS = tl.constexpr(16)
 KV_SPLIT = 1024  # KV positions per split: a multiple of BLOCK_N
@@ -166,8 +156,7 @@ def _attn_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, qsl_ptr, 
                  qk_scale, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, KV_SPLIT: tl.constexpr, SPLIT_PROGRAMS: tl.constexpr,
-                 DECODE: tl.constexpr, SEQS: tl.constexpr, PRECISION: tl.constexpr,
-                 PDL: tl.constexpr):
+                 DECODE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     pdl.enter(PDL)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     pid = tl.program_id(0)
@@ -176,14 +165,6 @@ def _attn_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, qsl_ptr, 
     seq = pid if DECODE else _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q, True)
     q_begin = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_begin
-    # A mixed call's two launches (compile-time tests, then runtime ones): ONE_QUERY_SEQS
-    # leaves the longer sequences to the other, LONGER_SEQS the one-query ones.
-    if SEQS == 1:  # noqa: SIM102
-        if q_len != 1:
-            return
-    if SEQS == 2:  # noqa: SIM102
-        if q_len == 1:
-            return
     q_first = 0 if DECODE else (pid - (q_begin // BLOCK_Q + seq)) * BLOCK_Q  # block's 1st query
     if q_first >= q_len:
         return
@@ -308,18 +289,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if decode and num_tokens > num_seqs:
         raise ValueError(f"paged_attention: decode with {num_tokens} queries for {num_seqs} "
                          "sequences")
-    general = (BLOCK_M, NUM_WARPS, NUM_STAGES)
-    # No deeper a pipeline than the configuration's own (its shared memory with BLOCK_N).
-    decode_tile = (max(DECODE_BLOCK_M, group_pad), DECODE_NUM_WARPS,
-                   min(DECODE_NUM_STAGES, NUM_STAGES))
-    # (tile, DECODE, SEQS) per launch; a mixed call: its one-query sequences on the decode tile.
-    if decode:
-        launches = [(decode_tile if DECODE_TILE else general, True, ALL_SEQS)]
-    elif MIXED_DECODE_TILE and num_seqs > 1 and num_tokens > num_seqs:
-        launches = [(decode_tile, True, ONE_QUERY_SEQS), (general, False, LONGER_SEQS)]
-    else:
-        launches = [(general, False, ALL_SEQS)]
-    q_blocks = num_seqs if decode else num_tokens // (BLOCK_M // group_pad) + num_seqs
+    block_m, warps, stages = BLOCK_M, NUM_WARPS, NUM_STAGES
+    if decode and DECODE_TILE:
+        # No deeper a pipeline than the configuration's own (its shared memory with BLOCK_N).
+        block_m, warps, stages = max(DECODE_BLOCK_M, group_pad), DECODE_NUM_WARPS, \
+            min(DECODE_NUM_STAGES, NUM_STAGES)
+    q_blocks = num_seqs if decode else num_tokens // (block_m // group_pad) + num_seqs
     max_splits = triton.cdiv(block_tables.shape[1] * block_size, KV_SPLIT)
     if split_programs is None:
         split_programs = max_splits > 1 and \
@@ -329,22 +304,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     qsl = query_start_loc.to(torch.int32)
     lens = seq_lens.to(torch.int32)
     tables = block_tables.to(torch.int32)
-    if split_programs:  # both launches of a mixed call write their queries' partials here
+    if split_programs:
         ws_ml = torch.empty(num_tokens, hq, max_splits, 2, device=q.device, dtype=torch.float32)
         ws_acc = torch.empty(num_tokens, hq, max_splits, d, device=q.device, dtype=torch.float32)
+        grid = (q_blocks, hkv, max_splits)
     else:
         ws_ml = ws_acc = out  # unused
-    for (block_m, warps, stages), by_seq, seqs in launches:
-        programs = num_seqs if by_seq else num_tokens // (block_m // group_pad) + num_seqs
-        grid = (programs, hkv, max_splits) if split_programs else (programs, hkv)
-        _attn_kernel[grid](q, k_cache, v_cache, out, tables, qsl, lens, ws_ml, ws_acc, num_seqs,
-                           q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                           tables.stride(0), k_cache.stride(1), k_cache.stride(2),
-                           hq * max_splits, max_splits, scale * _LOG2E, BLOCK_SIZE=block_size,
-                           HEAD_DIM=d, GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m,
-                           BLOCK_N=BLOCK_N, KV_SPLIT=KV_SPLIT, SPLIT_PROGRAMS=split_programs,
-                           DECODE=by_seq, SEQS=seqs, PRECISION=precision, num_warps=warps,
-                           num_stages=stages, enable_fp_fusion=False, **launch)
+        grid = (q_blocks, hkv)
+    _attn_kernel[grid](q, k_cache, v_cache, out, tables, qsl, lens, ws_ml, ws_acc, num_seqs,
+                       q.stride(0), q.stride(1), out.stride(0), out.stride(1), tables.stride(0),
+                       k_cache.stride(1), k_cache.stride(2), hq * max_splits, max_splits,
+                       scale * _LOG2E, BLOCK_SIZE=block_size, HEAD_DIM=d, GROUP=group,
+                       GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_N=BLOCK_N, KV_SPLIT=KV_SPLIT,
+                       SPLIT_PROGRAMS=split_programs, DECODE=decode, PRECISION=precision,
+                       num_warps=warps, num_stages=stages, enable_fp_fusion=False, **launch)
     if split_programs:
         heads, dims = min(COMBINE_HEADS, hq), min(COMBINE_DIMS, d)
         grid = (num_tokens, triton.cdiv(hq, heads), d // dims)

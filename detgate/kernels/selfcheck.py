@@ -146,8 +146,7 @@ def attention_difference(hq: int, hkv: int, head_dim: int, dtype: torch.dtype,
             got = run(batch)[batch.index((0, s, e))]
             if not same_bits(got, alone[s:e]):
                 return (f"queries {s}..{e - 1} in a batch of {len(batch)} sequences differ from "
-                        "the same positions prefilled alone (DETGATE_MIXED_DECODE_TILE=0 keeps "
-                        "a mixed batch's one-query sequences on the prefill's tiles)")
+                        "the same positions prefilled alone")
     # A decode step's launch (one query per sequence; on CUDA its own tile height) against
     # the same positions prefilled.
     for pos in (0, 13, 39):

@@ -104,34 +104,6 @@ def test_chunked_prefill_equals_fresh_prefill(at, block_size, splits):
     assert same_bits(chunked_prefill(world, splits, impl), fresh)
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
-def test_mixed_step_equals_one_general_launch(at, split, monkeypatch):
-    """A mixed step as the engine runs it (64 decoding sequences of 1-3,000 positions around
-    prefill chunks of 1, 100 and 700 queries): the decode-tile launch of its one-query sequences
-    beside the general launch gives every row the bits of the one general launch, and of the
-    same decodes in a decode-only step."""
-    gen = torch.Generator().manual_seed(8)
-    lens = torch.randint(2, 3000, (64,), generator=gen).tolist() + [1, 100, 700]
-    world = make_world(lens, HQ, HKV, D, 16, torch.bfloat16, "cuda", seed=8)
-    impl = _impl(at, split)
-    step(world, [(i, 0, n - 1) for i, n in enumerate(lens[:64])], impl)
-    decodes = [(i, n - 1, n) for i, n in enumerate(lens[:64])]
-    chunks = [(64, 0, 1), (65, 0, 100), (66, 0, 700)]
-    mixed_step = decodes[:20] + chunks[1:2] + decodes[20:50] + chunks[::2] + decodes[50:]
-    monkeypatch.setattr(at, "MIXED_DECODE_TILE", False)
-    general = step(world, mixed_step, impl)
-    monkeypatch.setattr(at, "MIXED_DECODE_TILE", True)
-    mixed = step(world, mixed_step, impl)
-    for i, (a, b) in enumerate(zip(mixed, general, strict=True)):
-        assert same_bits(a, b), mixed_step[i]
-    decode_step = Impl(store_kv=at.store_kv, paged_attention=functools.partial(
-        at.paged_attention, decode=True))
-    alone = dict(zip(decodes, step(world, decodes, decode_step), strict=True))
-    for chunk, out in zip(mixed_step, mixed, strict=True):
-        if chunk in alone:
-            assert same_bits(out, alone[chunk]), chunk
-
-
 def test_dispatch_by_device_uses_triton():
     world = make_world([64, 9], HQ, HKV, D, 16, torch.bfloat16, "cuda", seed=6)
     outs = prefill(world, [0, 1])  # kernels.attention, dispatched on the CUDA tensors

@@ -156,64 +156,6 @@ def test_negative_control_decode_launch_with_other_position_chunks_differs(monke
     assert differing and all(lens[i] > at.BLOCK_N // 2 for i in differing), differing
 
 
-class _LaunchSpy:
-    """Stands in for the attention kernel: records each launch's SEQS, then runs it."""
-
-    def __init__(self, kernel):
-        self.kernel, self.seqs = kernel, []
-
-    def __getitem__(self, grid):
-        launch = self.kernel[grid]
-
-        def run(*args, **kwargs):
-            self.seqs.append(kwargs["SEQS"])
-            return launch(*args, **kwargs)
-        return run
-
-
-MIXED_LENS = [45, 3, 70, 17, 1, 64]
-# Decodes of sequences 0, 2 and 5 between prefill chunks of 1, 3 and 4 (4's one token is a
-# one-query sequence too).
-MIXED_STEP = [(0, 44, 45), (1, 0, 3), (2, 69, 70), (3, 0, 10), (4, 0, 1), (5, 63, 64)]
-
-
-def _mixed_world():
-    world = make_world(MIXED_LENS, 4, 2, 16, 16, torch.float32, DEVICE, seed=7)
-    step(world, [(0, 0, 44), (2, 0, 69), (5, 0, 63)], FUSED)
-    return world
-
-
-@pytest.mark.parametrize("impl", [FUSED, SPLIT], ids=["fused", "split"])
-def test_mixed_call_puts_one_query_sequences_on_the_decode_tile_with_the_same_bits(
-        impl, monkeypatch):
-    """A mixed step: its one-query sequences run in a decode-tile launch of their own, the rest
-    in the general launch, and every row has the bits of the one general launch."""
-    world = _mixed_world()
-    monkeypatch.setattr(at, "MIXED_DECODE_TILE", False)
-    general = step(world, MIXED_STEP, impl)
-    monkeypatch.setattr(at, "MIXED_DECODE_TILE", True)
-    spy = _LaunchSpy(at._attn_kernel)
-    monkeypatch.setattr(at, "_attn_kernel", spy)
-    mixed = step(world, MIXED_STEP, impl)
-    assert spy.seqs == [at.ONE_QUERY_SEQS, at.LONGER_SEQS]
-    for i, (a, b) in enumerate(zip(mixed, general, strict=True)):
-        assert same_bits(a, b), MIXED_STEP[i]
-
-
-def test_negative_control_mixed_call_with_other_position_chunks_differs(monkeypatch):
-    """The comparison above can fail: the mixed call with positions in chunks of another size
-    gives the long decoding sequences other bits than the general launch."""
-    world = _mixed_world()
-    monkeypatch.setattr(at, "MIXED_DECODE_TILE", False)
-    general = step(world, MIXED_STEP, FUSED)
-    monkeypatch.setattr(at, "MIXED_DECODE_TILE", True)
-    monkeypatch.setattr(at, "BLOCK_N", at.BLOCK_N * 2)
-    other = step(world, MIXED_STEP, FUSED)
-    differing = {MIXED_STEP[i][0] for i in range(len(MIXED_STEP))
-                 if not same_bits(other[i], general[i])}
-    assert {0, 2, 5} <= differing, differing
-
-
 def test_decode_launch_refuses_more_queries_than_sequences():
     world = make_world([20], 4, 2, 16, 16, torch.float32, DEVICE)
     q = torch.randn(2, 4, 16, device=DEVICE)
