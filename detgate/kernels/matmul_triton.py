@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from detgate.kernels import pdl
+from detgate.kernels import cublaslt, pdl
 from detgate.kernels.triton_launch import Launcher, Unsupported, raw_stream
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
@@ -551,6 +551,9 @@ class _Weight:
             launch = _Launch(a, bt, self.b_is_nk, bias, cfg, key[1], self.info)
             self.by_config[key] = launch
         plan = self.by_m[m] = _Plan(launch, m, self.n, self.k)
+        if self.b_is_nk and bias is None:
+            # cuBLASLt where it is faster, once its bits proved equal to this config's here
+            plan.gemm = cublaslt.gemm_for(bt, m, lambda x, w: matmul(x, w, config=cfg))
         return plan
 
 
@@ -558,9 +561,10 @@ class _Plan:
     """One (weight, M): the launch state and the call's arguments that follow from M alone,
     so that a call computes nothing but A's and C's addresses."""
 
-    __slots__ = ("launch", "grid", "tail")
+    __slots__ = ("launch", "grid", "tail", "gemm")
 
     def __init__(self, launch: _Launch, m: int, n: int, k: int):
+        self.gemm: cublaslt.Gemm | None = None  # set: this M runs on cuBLASLt instead
         whole, self.grid, sub = _waves(m, n, launch.config, launch.max_programs)
         self.launch = launch
         prefetch = prefetch_bytes(m, launch.row_bytes, (n, k)) if launch.prefetch else 0
@@ -622,6 +626,8 @@ def _matmul_fast(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
         except Unsupported:
             _WEIGHTS[key] = None
             return None
+    if plan.gemm is not None:
+        return plan.gemm(a, raw_stream(weight.device))
     c = a.new_empty((m, weight.n))
     c_ptr = c.data_ptr()
     launch, n = plan.launch, weight.n

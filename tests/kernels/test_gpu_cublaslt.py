@@ -1,0 +1,79 @@
+"""cuBLASLt for large row counts (kernels/cublaslt.py) on a real GPU (skipped without CUDA).
+
+A row count served by cuBLASLt must give every row the Triton kernel's bits; the check that
+decides it must refuse an algorithm whose bits differ (the negative control: a reference one
+bit off is caught and the shape falls back to Triton).
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+
+import pytest
+import torch
+
+from detgate.kernels.bits import same_bits
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+SHAPES = [(4096, 4096), (4096, 12288), (6144, 4096), (24576, 4096)]
+MS = (257, 300, 512, 777, 1024, 1536, 2048)
+
+
+@pytest.fixture()
+def mods(monkeypatch):
+    mm = import_module("detgate.kernels.matmul_triton")
+    lt = import_module("detgate.kernels.cublaslt")
+    monkeypatch.setattr(lt, "ENABLED", True)
+    monkeypatch.setattr(lt, "_SHAPES", {})
+    mm.clear_caches()
+    yield mm, lt
+    mm.clear_caches()
+
+
+def _weights(n, k, m):
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    return torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16), w
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_cublaslt_rows_have_the_triton_bits(mods, n, k):
+    mm, lt = mods
+    a, w = _weights(n, k, max(MS))
+    info = mm.device_info(torch.cuda.current_device())
+    full = mm.matmul(a, w.t())
+    served = []
+    for m in MS:
+        out = mm.matmul(a[:m], w.t())
+        jit = mm.matmul(a[:m], w.t(), config=mm.pick_config(m, n, k, torch.bfloat16, info))
+        assert same_bits(out, jit), m
+        assert same_bits(out, full[:m]), m
+        (weight,) = [v for v in mm._WEIGHTS.values() if v is not None]
+        if weight.by_m[m].gemm is not None:
+            served.append(m)
+    if not served:
+        pytest.skip(f"cuBLASLt served no row count of {(n, k)} here (its bits differ or it "
+                    "found no algorithm): Triton serves, so rows are invariant either way")
+
+
+def test_a_check_that_finds_other_bits_turns_the_shape_back_to_triton(mods):
+    mm, lt = mods
+    n, k, m = 4096, 4096, 512
+    a, w = _weights(n, k, m)
+    info = mm.device_info(torch.cuda.current_device())
+    cfg = mm.pick_config(m, n, k, torch.bfloat16, info)
+
+    def one_bit_off(x, b):
+        out = mm.matmul(x, b, config=cfg)
+        out.view(torch.int16)[0, 0] ^= 1
+        return out
+
+    assert lt.gemm_for(w, m, one_bit_off) is None
+    assert lt.gemm_for(w, m + 1, lambda x, b: mm.matmul(x, b, config=cfg)) is None  # failed
+    (shape,) = lt._SHAPES.values()
+    assert shape.failed
+    assert same_bits(mm.matmul(a, w.t()), mm.matmul(a, w.t(), config=cfg))
