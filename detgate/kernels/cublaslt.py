@@ -97,7 +97,7 @@ class _Library:
             c.c_int, c.POINTER(_Heuristic), c.POINTER(c.c_int)]
         lib.cublasLtMatmulAlgoConfigGetAttribute.argtypes = [_vp, c.c_int, _vp, c.c_size_t,
                                                              c.POINTER(c.c_size_t)]
-        lib.cublasLtMatmul.argtypes = [_vp] * 15 + [c.c_size_t, _vp]
+        lib.cublasLtMatmul.argtypes = [_vp] * 14 + [c.c_size_t, _vp]
         self.lib = lib
         self.handle = _vp()
         self.ok(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
@@ -146,7 +146,7 @@ class _Library:
             if (r.state == 0 and r.workspace == 0
                     and self.config(r.algo, _CONFIG_SPLITK_NUM) == 1
                     and self.config(r.algo, _CONFIG_REDUCTION_SCHEME) == 0):
-                return r.algo
+                return (ctypes.c_uint64 * 8)(*r.algo)  # a copy: `results` goes away
         return None
 
 
@@ -168,14 +168,14 @@ class Gemm:
     __slots__ = ("lib", "w_ptr", "n", "a_layout", "b_layout", "d_layout", "algo", "device")
 
     def __init__(self, lib: _Library, w_ptr: int, w_stride: int, n: int, k: int, m: int,
-                 dtype: torch.dtype, device: int):
+                 dtype: torch.dtype, device: int, algo=None):
         self.lib, self.w_ptr, self.n, self.device = lib, w_ptr, n, device
         # Column-major view: W [N, K] row-major is K x N (ld w_stride), used transposed; x
         # [M, K] is K x M (ld K); D = W x^T is N x M (ld N), i.e. C [M, N] row-major.
         self.a_layout = lib.layout(dtype, k, n, w_stride)
         self.b_layout = lib.layout(dtype, k, m, k)
         self.d_layout = lib.layout(dtype, n, m, n)
-        self.algo = lib.algorithm(self.a_layout, self.b_layout, self.d_layout)
+        self.algo = algo or lib.algorithm(self.a_layout, self.b_layout, self.d_layout)
 
     def __call__(self, a: torch.Tensor, stream: int) -> torch.Tensor:
         c = a.new_empty((a.shape[0], self.n))
@@ -188,10 +188,12 @@ class Gemm:
 
 
 class _Shape:
-    """Per (N, K, row stride, dtype, device): the row counts whose cuBLASLt algorithm was
-    checked against the Triton kernel (True: same bits) and whether any check failed."""
+    """Per (N, K, row stride, dtype, device): the algorithm chosen for each row count, the row
+    counts checked against the Triton kernel (True: same bits) and whether any check failed.
+    Every weight of the shape runs the algorithm that was checked."""
 
     def __init__(self):
+        self.algos: dict[int, ctypes.Array] = {}
         self.verified: dict[int, bool] = {}
         self.failed = False
 
@@ -221,13 +223,14 @@ def gemm_for(bt: torch.Tensor, m: int, reference) -> Gemm | None:
         return None  # no check inside a capture: Triton for this M (same bits either way)
     try:
         gemm = Gemm(_library(), bt.data_ptr(), bt.stride(0), n, k, m, bt.dtype,
-                    bt.get_device())
+                    bt.get_device(), shape.algos.get(m))
     except (Unavailable, OSError) as exc:
         log.warning("cuBLASLt unavailable, the Triton matmul serves every row count: %s", exc)
         globals()["ENABLED"] = False
         return None
     if gemm.algo is None:
         return None
+    shape.algos[m] = gemm.algo
     if ok is None:
         ok = shape.verified[m] = _verify(gemm, bt, m, reference)
         if not ok:
