@@ -175,7 +175,8 @@ class Gemm:
         self.a_layout = lib.layout(dtype, k, n, w_stride)
         self.b_layout = lib.layout(dtype, k, m, k)
         self.d_layout = lib.layout(dtype, n, m, n)
-        self.algo = algo or lib.algorithm(self.a_layout, self.b_layout, self.d_layout)
+        self.algo = (algo if algo is not None
+                     else lib.algorithm(self.a_layout, self.b_layout, self.d_layout))
 
     def __call__(self, a: torch.Tensor, stream: int) -> torch.Tensor:
         c = a.new_empty((a.shape[0], self.n))
