@@ -19,7 +19,8 @@ equal (`_Shape.verified`); anywhere else, or if the check fails once for a shape
 CUDA graph is being captured before the check could run, the Triton kernel runs. Both paths
 give a row the same bits, so which one a call takes never changes an answer.
 
-DETGATE_CUBLASLT=1 turns the path on (off: Triton everywhere).
+DETGATE_CUBLASLT=0 turns the path off (Triton everywhere); DETGATE_CUBLASLT_MIN_ROWS=M moves
+every shape's lower bound (a tuning knob for benchmarks).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from detgate.kernels.bits import same_bits
 
 log = logging.getLogger(__name__)
 
-ENABLED = os.environ.get("DETGATE_CUBLASLT", "0") == "1"
+ENABLED = os.environ.get("DETGATE_CUBLASLT", "1") != "0"
 # Row counts from which a weight shape (N, K) may take cuBLASLt; shapes absent stay on Triton.
 # Decode batches (up to 256 rows) stay on our tiles, which are as fast there.
 MIN_ROWS: dict[tuple[int, int], int] = {
@@ -44,6 +45,8 @@ MIN_ROWS: dict[tuple[int, int], int] = {
     (24576, 4096): 257,  # gate_up_proj
     (4096, 12288): 257,  # down_proj
 }
+if os.environ.get("DETGATE_CUBLASLT_MIN_ROWS"):
+    MIN_ROWS = dict.fromkeys(MIN_ROWS, int(os.environ["DETGATE_CUBLASLT_MIN_ROWS"]))
 
 # cublasLt enums (cublasLt.h, library_types.h)
 _COMPUTE_32F = 68
