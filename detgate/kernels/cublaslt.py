@@ -56,6 +56,8 @@ _DESC_TRANSA, _DESC_TRANSB = 3, 4
 _OP_N, _OP_T = 0, 1
 _PREF_MAX_WORKSPACE_BYTES = 1
 _CONFIG_SPLITK_NUM, _CONFIG_REDUCTION_SCHEME = 2, 3
+_CONFIG_NAMES = {"id": 0, "tile": 1, "splitk": 2, "reduction": 3, "swizzle": 4, "custom": 5,
+                 "stages": 6}
 _HEURISTICS = 8
 
 _vp = ctypes.c_void_p
@@ -136,28 +138,37 @@ class _Library:
             ctypes.byref(algo), attr, ctypes.byref(v), 4, ctypes.byref(written)), "config")
         return v.value
 
-    def algorithm(self, a_layout: _vp, b_layout: _vp, d_layout: _vp):
-        """The heuristic's fastest algorithm with one K split and no reduction, or None."""
-        results = (_Heuristic * _HEURISTICS)()
+    def candidates(self, a_layout: _vp, b_layout: _vp, d_layout: _vp,
+                   count: int = _HEURISTICS) -> list:
+        """The heuristic's algorithms with one K split, no reduction and no workspace, fastest
+        first (copies: the results array goes away)."""
+        results = (_Heuristic * count)()
         got = ctypes.c_int(0)
         status = self.lib.cublasLtMatmulAlgoGetHeuristic(
             self.handle, self.desc, a_layout, b_layout, d_layout, d_layout, self.pref,
-            _HEURISTICS, results, ctypes.byref(got))
+            count, results, ctypes.byref(got))
         if status != 0:
-            return None
-        for r in results[:got.value]:
-            if (r.state == 0 and r.workspace == 0
-                    and self.config(r.algo, _CONFIG_SPLITK_NUM) == 1
-                    and self.config(r.algo, _CONFIG_REDUCTION_SCHEME) == 0):
-                return (ctypes.c_uint64 * 8)(*r.algo)  # a copy: `results` goes away
-        return None
+            return []
+        return [(ctypes.c_uint64 * 8)(*r.algo) for r in results[:got.value]
+                if r.state == 0 and r.workspace == 0
+                and self.config(r.algo, _CONFIG_SPLITK_NUM) == 1
+                and self.config(r.algo, _CONFIG_REDUCTION_SCHEME) == 0]
+
+    def algorithm(self, a_layout: _vp, b_layout: _vp, d_layout: _vp):
+        """The fastest of `candidates`, or None."""
+        found = self.candidates(a_layout, b_layout, d_layout)
+        return found[0] if found else None
+
+    def describe(self, algo) -> dict[str, int]:
+        """An algorithm's configuration (cublasLtMatmulAlgoConfigAttributes_t) for reports."""
+        return {name: self.config(algo, attr) for name, attr in _CONFIG_NAMES.items()}
 
 
 _LIBRARY: _Library | None = None
 _LOCK = threading.Lock()
 
 
-def _library() -> _Library:
+def library() -> _Library:
     global _LIBRARY
     with _LOCK:
         if _LIBRARY is None:
@@ -226,7 +237,7 @@ def gemm_for(bt: torch.Tensor, m: int, reference) -> Gemm | None:
     if shape.failed or (ok is None and torch.cuda.is_current_stream_capturing()):
         return None  # no check inside a capture: Triton for this M (same bits either way)
     try:
-        gemm = Gemm(_library(), bt.data_ptr(), bt.stride(0), n, k, m, bt.dtype,
+        gemm = Gemm(library(), bt.data_ptr(), bt.stride(0), n, k, m, bt.dtype,
                     bt.get_device(), shape.algos.get(m))
     except (Unavailable, OSError) as exc:
         log.warning("cuBLASLt unavailable, the Triton matmul serves every row count: %s", exc)
