@@ -18,7 +18,10 @@ Two kernels with the same reduction: a persistent kernel fed by TMA tensor descr
 (Hopper and later, 16-byte aligned operands; A and C by plain masked loads and stores below
 one row tile) and a pointer kernel for everything else. On CUDA the persistent kernel is
 launched through `kernels.triton_launch`: the weight's descriptor, the tile choice and the
-compiled kernel are kept per weight, so a call costs one allocation and one C launch.
+compiled kernel are kept per weight, so a call costs one allocation and one C launch. From
+`cublaslt.MIN_ROWS` rows the fast path may hand a weight's call to a cuBLASLt algorithm
+instead, for a row count whose bits this process found equal to this kernel's
+(kernels/cublaslt.py).
 """
 
 from __future__ import annotations
