@@ -6,7 +6,7 @@ For each Qwen3-8B projection and row count M: the Triton kernel as `matmul_trito
 (the cuBLASLt path of kernels/cublaslt.py off), torch's `F.linear` (cuBLAS with its own
 heuristic, split-K allowed), and every algorithm cuBLASLt's heuristic offers with no workspace,
 one K split and no reduction, each with whether its output has the Triton kernel's bits in every
-element. Times are eager CUDA-event means of back-to-back calls (best of three runs), host cost
+element. Times are eager CUDA-event times of back-to-back calls (median of three runs), host cost
 included. "pinned": the algorithm the heuristic picks at --pin-at rows, run at every M (where
 cuBLASLt accepts it), to see whether one algorithm could serve every row count.
 """
@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from detgate.bench.report import environment
+from detgate.bench.timing import events_ms
 from detgate.kernels import cublaslt, matmul_triton
 from detgate.kernels.bits import same_bits
 
@@ -30,19 +31,9 @@ LM_HEAD = {"lm_head": (151936, 4096)}
 M_VALUES = (64, 128, 192, 256, 257, 384, 512, 768, 1024, 1280, 1536, 2048, 4096, 8192)
 
 
-def mean_us(fn, calls: int = 20, runs: int = 3) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(runs):
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / calls)
-    return round(best, 2)
+def mean_us(fn) -> float:
+    """Microseconds per eager call (`timing.events_ms`: 20 back-to-back calls, median of 3)."""
+    return round(1000 * events_ms(lambda _: fn(), 20, 3, warmup=1), 2)
 
 
 def shape_rows(n: int, k: int, m_values, pin_at: int, deadline: float) -> dict:
@@ -50,7 +41,7 @@ def shape_rows(n: int, k: int, m_values, pin_at: int, deadline: float) -> dict:
     w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
     x = torch.randn(max(m_values), k, device="cuda").to(torch.bfloat16)
     stream = torch.cuda.current_stream().cuda_stream
-    pin = cublaslt.Gemm(lib, w.data_ptr(), k, n, k, pin_at, torch.bfloat16, 0).algo
+    pin = cublaslt.Gemm(lib, w.data_ptr(), k, n, k, pin_at, torch.bfloat16).algo
     rows = []
     for m in m_values:
         if time.monotonic() > deadline:
@@ -60,7 +51,7 @@ def shape_rows(n: int, k: int, m_values, pin_at: int, deadline: float) -> dict:
         row = {"m": m, "triton_us": mean_us(lambda a=a: matmul_triton.matmul(a, w.t())),
                "torch_us": mean_us(lambda a=a: F.linear(a, w)),
                "torch_same_bits": same_bits(F.linear(a, w), ours), "algorithms": []}
-        probe = cublaslt.Gemm(lib, w.data_ptr(), k, n, k, m, torch.bfloat16, 0)
+        probe = cublaslt.Gemm(lib, w.data_ptr(), k, n, k, m, torch.bfloat16)
         for algo in lib.candidates(probe.a_layout, probe.b_layout, probe.d_layout):
             probe.algo = algo
             row["algorithms"].append({

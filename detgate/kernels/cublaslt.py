@@ -17,7 +17,7 @@ Hopper bf16/fp16 kernel builds that accumulator from wgmma k16 steps; when they 
 increasing k, as ours do, the bits are ours, whatever the tile. That last part is cuBLAS's
 code, not ours, so it is measured, not assumed: a (weight shape, row count) is served here only
 after this process computed it both ways on random input and found every output element's bits
-equal (`_Shape.verified`); anywhere else, or if the check fails once for a shape, or while a
+equal (`_Shape.checked`); anywhere else, or if the check fails once for a shape, or while a
 CUDA graph is being captured before the check could run, the Triton kernel runs. Both paths
 give a row the same bits, so which one a call takes never changes an answer.
 
@@ -27,6 +27,7 @@ every shape's lower bound (a tuning knob for benchmarks).
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import logging
 import os
@@ -181,18 +182,23 @@ def library() -> _Library:
 class Gemm:
     """x [M, K] @ W.T for one weight W [N, K] (rows `w_stride` apart) at one M."""
 
-    __slots__ = ("lib", "w_ptr", "n", "a_layout", "b_layout", "d_layout", "algo", "device")
+    __slots__ = ("lib", "w_ptr", "n", "a_layout", "b_layout", "d_layout", "algo")
 
     def __init__(self, lib: _Library, w_ptr: int, w_stride: int, n: int, k: int, m: int,
-                 dtype: torch.dtype, device: int, algo=None):
-        self.lib, self.w_ptr, self.n, self.device = lib, w_ptr, n, device
+                 dtype: torch.dtype):
+        self.lib, self.w_ptr, self.n = lib, w_ptr, n
         # Column-major view: W [N, K] row-major is K x N (ld w_stride), used transposed; x
         # [M, K] is K x M (ld K); D = W x^T is N x M (ld N), i.e. C [M, N] row-major.
         self.a_layout = lib.layout(dtype, k, n, w_stride)
         self.b_layout = lib.layout(dtype, k, m, k)
         self.d_layout = lib.layout(dtype, n, m, n)
-        self.algo = (algo if algo is not None
-                     else lib.algorithm(self.a_layout, self.b_layout, self.d_layout))
+        self.algo = lib.algorithm(self.a_layout, self.b_layout, self.d_layout)
+
+    def rebind(self, w_ptr: int) -> Gemm:
+        """The same call (layouts, algorithm) on another weight of the same shape and stride."""
+        other = copy.copy(self)
+        other.w_ptr = w_ptr
+        return other
 
     def __call__(self, a: torch.Tensor, stream: int) -> torch.Tensor:
         c = a.new_empty((a.shape[0], self.n))
@@ -205,13 +211,12 @@ class Gemm:
 
 
 class _Shape:
-    """Per (N, K, row stride, dtype, device): the algorithm chosen for each row count, the row
-    counts checked against the Triton kernel (True: same bits) and whether any check failed.
-    Every weight of the shape runs the algorithm that was checked."""
+    """Per (N, K, row stride, dtype, device): the calls whose bits were checked equal to the
+    Triton kernel's, by row count (every weight of the shape runs the algorithm checked), and
+    whether a check failed (then Triton serves the shape)."""
 
     def __init__(self):
-        self.algos: dict[int, ctypes.Array] = {}
-        self.verified: dict[int, bool] = {}
+        self.checked: dict[int, Gemm] = {}
         self.failed = False
 
 
@@ -230,29 +235,31 @@ def _verify(gemm: Gemm, bt: torch.Tensor, m: int, reference) -> bool:
 def gemm_for(bt: torch.Tensor, m: int, reference) -> Gemm | None:
     """A cuBLASLt call for x [m, K] @ bt.T (bt: W [N, K], 16-bit, rows 16-byte aligned) whose
     bits were found equal to `reference(x, W.t())` at this M, or None (use the reference)."""
+    global ENABLED
     n, k = bt.shape
     if not ENABLED or bt.dtype not in _DTYPES or m < MIN_ROWS.get((n, k), 1 << 62):
         return None
     key = (n, k, bt.stride(0), bt.dtype, bt.get_device())
     shape = _SHAPES.setdefault(key, _Shape())
-    ok = shape.verified.get(m)
-    if shape.failed or (ok is None and torch.cuda.is_current_stream_capturing()):
+    if shape.failed:
+        return None
+    checked = shape.checked.get(m)
+    if checked is not None:
+        return checked.rebind(bt.data_ptr())
+    if torch.cuda.is_current_stream_capturing():
         return None  # no check inside a capture: Triton for this M (same bits either way)
     try:
-        gemm = Gemm(library(), bt.data_ptr(), bt.stride(0), n, k, m, bt.dtype,
-                    bt.get_device(), shape.algos.get(m))
+        gemm = Gemm(library(), bt.data_ptr(), bt.stride(0), n, k, m, bt.dtype)
     except (Unavailable, OSError) as exc:
         log.warning("cuBLASLt unavailable, the Triton matmul serves every row count: %s", exc)
-        globals()["ENABLED"] = False
+        ENABLED = False
         return None
     if gemm.algo is None:
         return None
-    shape.algos[m] = gemm.algo
-    if ok is None:
-        ok = shape.verified[m] = _verify(gemm, bt, m, reference)
-        if not ok:
-            shape.failed = True
-            log.warning("cuBLASLt's bits differ from the Triton matmul's for %s at %d rows: "
-                        "Triton serves this shape", (n, k, bt.dtype), m)
-            return None
+    if not _verify(gemm, bt, m, reference):
+        shape.failed = True
+        log.warning("cuBLASLt's bits differ from the Triton matmul's for %s at %d rows: "
+                    "Triton serves this shape", (n, k, bt.dtype), m)
+        return None
+    shape.checked[m] = gemm
     return gemm
