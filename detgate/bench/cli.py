@@ -69,6 +69,9 @@ def _register_kernels(bench_sub) -> None:
                         "model (detgate/bench/kernels_eager.py)")
     p.add_argument("--skip-model", action="store_true", help="with --eager: no model")
     p.add_argument("--model-only", action="store_true", help="with --eager: only the model")
+    p.add_argument("--profile", action="store_true",
+                   help="with --eager: where a batch-1 forward's host time goes, with and "
+                        "without the mode (torch.profiler and cProfile tables)")
     p.set_defaults(func=_run_kernels)
 
 

@@ -2,7 +2,7 @@
 against torch, and the host cost of `kernels.set_batch_invariant_mode()` on a Hugging Face
 model, in one run.
 
-    detgate bench kernels --eager --json OUT.json [--skip-model | --model-only]
+    detgate bench kernels --eager --json OUT.json [--skip-model | --model-only] [--profile]
 
 - matmul: `kernels.matmul(x, W.t())` against `F.linear(x, W)` (cuBLAS) on the same bf16
   inputs, Qwen3-8B projections, M = 1..8192. "eager": CUDA events around CALLS back-to-back
@@ -16,11 +16,16 @@ model, in one run.
   sequences), eager forward with and without the mode at batch 1 / 8 / 64, timed in ROUNDS
   alternating rounds (host time drifts between runs), and whether row 0 is bit-identical
   across batch sizes (with the mode it must be; without, the control).
+- profile (--profile): where the host time of a batch-1 forward goes, with and without the
+  mode: torch.profiler's ops by self CPU time, and cProfile's Python functions by own time.
 """
 
 from __future__ import annotations
 
+import cProfile
+import io
 import json
+import pstats
 import statistics
 from collections.abc import Callable
 
@@ -124,7 +129,38 @@ def _row0_identical(model, ids: torch.Tensor) -> dict[int, bool]:
     return {b: same_bits(model(ids[:b]).logits[0], alone) for b in (2, 8, 64)}
 
 
-def model_rows() -> dict:
+def _host_profile(model, ids: torch.Tensor, forwards: int = 20) -> dict[str, str]:
+    """Text tables of where a forward's host time goes: aten ops (torch.profiler, self CPU
+    time) and Python functions (cProfile, own time), each over `forwards` forwards."""
+    model(ids)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(forwards):
+            model(ids)
+    torch.cuda.synchronize()
+    ops = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(forwards):
+        model(ids)
+    torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    return {"aten_ops": ops, "python": text.getvalue()}
+
+
+def profile_rows(model, ids: torch.Tensor) -> dict:
+    """Batch-1 host profiles without and in the mode."""
+    out = {"without_mode": _host_profile(model, ids[:1])}
+    with kernels.set_batch_invariant_mode():
+        out["in_mode"] = _host_profile(model, ids[:1])
+    for name, tables in out.items():
+        print(f"--- host profile, batch 1, {name}\n{tables['aten_ops']}\n{tables['python']}",
+              flush=True)
+    return out
+
+
+def model_rows(profile: bool = False) -> dict:
     import transformers
 
     config = transformers.Qwen3Config(
@@ -149,6 +185,8 @@ def model_rows() -> dict:
         with kernels.set_batch_invariant_mode():
             result["row0_bit_identical_in_mode"] = _row0_identical(model, ids)
         result["row0_bit_identical_without_mode"] = _row0_identical(model, ids)
+        if profile:
+            result["host_profile"] = profile_rows(model, ids)
     print("row 0 identical in mode:", result["row0_bit_identical_in_mode"],
           "without:", result["row0_bit_identical_without_mode"], flush=True)
     del model
@@ -156,7 +194,7 @@ def model_rows() -> dict:
     return result
 
 
-def run(skip_model: bool = False, model_only: bool = False) -> dict:
+def run(skip_model: bool = False, model_only: bool = False, profile: bool = False) -> dict:
     result = {**bench.environment(), "timing": {
         "eager": f"CUDA events around {CALLS} back-to-back eager calls after {WARMUP} "
                  f"warm-ups, median of {REPEATS}, rotating weight copies (host cost included)",
@@ -166,7 +204,7 @@ def run(skip_model: bool = False, model_only: bool = False) -> dict:
     result["matmul"] = [] if model_only else matmul_rows()
     result["norms"] = [] if model_only else norm_rows()
     if not skip_model:
-        result["model"] = model_rows()
+        result["model"] = model_rows(profile)
     misses = [f"{r['shape']} M={r['m']}: eager {r['eager_ratio']:.2f}x"
               for r in result["matmul"] if r["eager_ratio"] < 0.8]
     result["summary"] = {
@@ -183,6 +221,7 @@ def main(args) -> int:
     if not torch.cuda.is_available():
         print("the eager kernel benchmark needs a CUDA device")
         return 2
-    result = run(skip_model=args.skip_model, model_only=args.model_only)
+    result = run(skip_model=args.skip_model, model_only=args.model_only,
+                 profile=getattr(args, "profile", False))
     bench.write_json(result, args.json)
     return 0
