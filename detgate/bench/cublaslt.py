@@ -1,6 +1,7 @@
 """cuBLASLt's algorithms without split-K against our Triton matmul: bits and time (CUDA).
 
     python -m detgate.bench.cublaslt --out OUT.json [--m 257,512,...] [--lm-head]
+        [--shapes 12288x4096,1024x4096]
 
 For each Qwen3-8B projection and row count M: the Triton kernel as `matmul_triton` picks it
 (the cuBLASLt path of kernels/cublaslt.py off), torch's `F.linear` (cuBLAS with its own
@@ -79,6 +80,8 @@ def main(argv=None) -> None:
     p.add_argument("--m", default=",".join(map(str, M_VALUES)))
     p.add_argument("--pin-at", type=int, default=1024)
     p.add_argument("--lm-head", action="store_true")
+    p.add_argument("--shapes", default=None,
+                   help="NxK,... weight shapes in place of Qwen3-8B's four projections")
     p.add_argument("--seconds", type=float, default=300.0, help="later rows skip")
     args = p.parse_args(argv)
     cublaslt.ENABLED = False  # the Triton kernel itself is the reference
@@ -86,7 +89,9 @@ def main(argv=None) -> None:
     m_values = [int(v) for v in args.m.split(",")]
     deadline = time.monotonic() + args.seconds
     torch.manual_seed(0)
-    shapes = {**SHAPES, **(LM_HEAD if args.lm_head else {})}
+    shapes = SHAPES if args.shapes is None else {
+        s: tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")}
+    shapes = {**shapes, **(LM_HEAD if args.lm_head else {})}
     result = {"environment": environment("cuda"), "args": vars(args),
               "shapes": {name: shape_rows(n, k, m_values, args.pin_at, deadline)
                          for name, (n, k) in shapes.items()}}
