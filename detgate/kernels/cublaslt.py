@@ -1,9 +1,11 @@
 """cuBLASLt GEMMs with our matmul's bits, for row counts where cuBLAS's tiles are faster.
 
-At the row counts of mixed steps (hundreds to thousands of tokens) cuBLAS's Hopper kernels
-run up to 1.7x faster than our Triton tiles (H100, eager: gate_up_proj at 257 rows 89 against
-152 us, down_proj at 768 rows 115 against 160; equal at 1,024 and 2,048 rows), and those steps
-held most of the cost workload's gap to the default mode (`python -m detgate.bench.cublaslt`).
+From 129 rows cuBLAS's Hopper kernels run up to 2.6x faster than our Triton tiles (H100,
+eager, per call: gate_up_proj 75 against 109 us at 129 rows and 89 against 152 at 257,
+down_proj 46 against 77 at 129, the lm_head 434 against 691 at 129 and 486 against 549 at
+256, transformers' separate gate / up projection 44 against 113 at 257; equal at 1,024 and
+2,048 rows of Qwen3-8B's projections; `python -m detgate.bench.cublaslt`). Decode steps of
+129-256 sequences and mixed steps spend most of their time in these matmuls.
 cuBLAS is not batch-invariant as torch calls it: its heuristic picks split-K
 kernels at some row counts, and a split-K kernel sums each output element's K range in parts
 and then adds the parts, an order that changes with the split.
@@ -18,11 +20,12 @@ increasing k, as ours do, the bits are ours, whatever the tile. That last part i
 code, not ours, so it is measured, not assumed: a (weight shape, row count) is served here only
 after this process computed it both ways on random input and found every output element's bits
 equal (`_Shape.checked`); anywhere else, or if the check fails once for a shape, or while a
-CUDA graph is being captured before the check could run, the Triton kernel runs. Both paths
-give a row the same bits, so which one a call takes never changes an answer.
+CUDA graph is being captured before the check could run, or where the check's operands would
+take more than VERIFY_MAX_BYTES, the Triton kernel runs. Both paths give a row the same bits,
+so which one a call takes never changes an answer.
 
 DETGATE_CUBLASLT=0 turns the path off (Triton everywhere); DETGATE_CUBLASLT_MIN_ROWS=M moves
-every shape's lower bound (a tuning knob for benchmarks).
+the lower bound (a tuning knob for benchmarks).
 """
 
 from __future__ import annotations
@@ -40,16 +43,13 @@ from detgate.kernels.bits import same_bits
 log = logging.getLogger(__name__)
 
 ENABLED = os.environ.get("DETGATE_CUBLASLT", "1") != "0"
-# Row counts from which a weight shape (N, K) may take cuBLASLt; shapes absent stay on Triton.
-# Decode batches (up to 256 rows) stay on our tiles, which are as fast there.
-MIN_ROWS: dict[tuple[int, int], int] = {
-    (6144, 4096): 257,  # qkv_proj
-    (4096, 4096): 257,  # o_proj
-    (24576, 4096): 257,  # gate_up_proj
-    (4096, 12288): 257,  # down_proj
-}
-if os.environ.get("DETGATE_CUBLASLT_MIN_ROWS"):
-    MIN_ROWS = dict.fromkeys(MIN_ROWS, int(os.environ["DETGATE_CUBLASLT_MIN_ROWS"]))
+# Row counts from which every weight shape may take cuBLASLt. Below, the Triton kernel's decode
+# tiles (16-128 rows) serve: cuBLASLt's algorithms without split-K were not measured faster
+# there.
+MIN_ROWS = int(os.environ.get("DETGATE_CUBLASLT_MIN_ROWS", "129"))
+# The check computes x [M, K] and two outputs [M, N]: larger than this, Triton serves that M
+# (an lm_head's 151,936 columns at thousands of scored positions would take gigabytes).
+VERIFY_MAX_BYTES = 1 << 30
 
 # cublasLt enums (cublasLt.h, library_types.h)
 _COMPUTE_32F = 68
@@ -237,7 +237,8 @@ def gemm_for(bt: torch.Tensor, m: int, reference) -> Gemm | None:
     bits were found equal to `reference(x, W.t())` at this M, or None (use the reference)."""
     global ENABLED
     n, k = bt.shape
-    if not ENABLED or bt.dtype not in _DTYPES or m < MIN_ROWS.get((n, k), 1 << 62):
+    if not ENABLED or bt.dtype not in _DTYPES or m < MIN_ROWS \
+            or m * (k + 2 * n) * bt.element_size() > VERIFY_MAX_BYTES:
         return None
     key = (n, k, bt.stride(0), bt.dtype, bt.get_device())
     shape = _SHAPES.setdefault(key, _Shape())

@@ -19,7 +19,7 @@ Two kernels with the same reduction: a persistent kernel fed by TMA tensor descr
 one row tile) and a pointer kernel for everything else. On CUDA the persistent kernel is
 launched through `kernels.triton_launch`: the weight's descriptor, the tile choice and the
 compiled kernel are kept per weight, so a call costs one allocation and one C launch. From
-`cublaslt.MIN_ROWS` rows the fast path may hand a weight's call to a cuBLASLt algorithm
+`cublaslt.MIN_ROWS` rows (129) the fast path may hand a weight's call to a cuBLASLt algorithm
 instead, for a row count whose bits this process found equal to this kernel's
 (kernels/cublaslt.py).
 """

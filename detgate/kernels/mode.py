@@ -62,6 +62,11 @@ def _row_sum():
     return import_module("detgate.kernels.rmsnorm_triton").row_sum
 
 
+@functools.cache
+def _mean_last_dim():
+    return import_module("detgate.kernels.rmsnorm_triton").mean_last_dim
+
+
 def _outer(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """A product over K = 1 (a rotary embedding's positions x frequencies): each element is
     one product rounded once, with no sum whose order could depend on the batch, so the
@@ -116,9 +121,7 @@ def _mean_dim(x: torch.Tensor, dim=None, keepdim: bool = False, dtype=None
             and x.shape[-1]):
         # The common case (a norm's mean over the last dim): one launch, the sum and the
         # division of the general path below, bit for bit.
-        rows = x.view(-1, x.shape[-1])
-        mean = _row_sum()(rows, mean=True)
-        return mean.view(*x.shape[:-1], 1) if keepdim else mean.view(x.shape[:-1])
+        return _mean_last_dim()(x, keepdim)
     out_dtype = dtype or x.dtype
     if x.dtype not in _FLOATS or out_dtype not in _FLOATS:
         return None

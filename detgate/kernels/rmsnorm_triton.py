@@ -96,6 +96,26 @@ def row_sum(x2: torch.Tensor, mean: bool = False) -> torch.Tensor:
     return out
 
 
+def mean_last_dim(x: torch.Tensor, keepdim: bool) -> torch.Tensor:
+    """x [..., L] (CUDA, contiguous, L > 0) -> its mean over the last dim in x's dtype: the
+    bits of `row_sum(x.view(-1, L), mean=True)`, written straight into the result's shape.
+    set_batch_invariant_mode routes every RMSNorm's mean of a Hugging Face model here, where
+    host time is the forward's cost: one dict lookup, one allocation, one C launch."""
+    length = x.shape[-1]
+    launch = _ROW_SUM_LAUNCHERS.get((x.get_device(), x.dtype, length, True))
+    if launch is None or x.data_ptr() % 16:
+        mean = row_sum(x.view(-1, length), mean=True)  # compiles and caches the launcher
+        return mean.view(*x.shape[:-1], 1) if keepdim else mean.view(x.shape[:-1])
+    shape = x.shape[:-1]
+    out = x.new_empty(shape + (1,) if keepdim else shape)
+    rows = out.numel()
+    if rows:
+        launcher, scale = launch
+        launcher(rows, 1, 1, raw_stream(x.get_device()), x.data_ptr(), out.data_ptr(), length,
+                 length, scale)
+    return out
+
+
 def _row_sum_shape(length: int, mean: bool) -> tuple[int, int, float]:
     """(BLOCK, warps, scale) for rows of `length`."""
     scale = float(np.float32(1.0) / np.float32(length)) if mean and length else 1.0

@@ -19,8 +19,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-SHAPES = [(4096, 4096), (4096, 12288), (6144, 4096), (24576, 4096)]
-MS = (257, 300, 512, 777, 1024, 1536, 2048)
+# Qwen3-8B's fused projections, transformers' separate gate / up and k / v projections
+SHAPES = [(4096, 4096), (4096, 12288), (6144, 4096), (24576, 4096), (12288, 4096), (1024, 4096)]
+MS = (129, 200, 256, 257, 300, 512, 777, 1024, 1536, 2048)
 
 
 @pytest.fixture()
@@ -77,3 +78,27 @@ def test_a_check_that_finds_other_bits_turns_the_shape_back_to_triton(mods):
     (shape,) = lt._SHAPES.values()
     assert shape.failed
     assert same_bits(mm.matmul(a, w.t()), mm.matmul(a, w.t(), config=cfg))
+
+
+def test_the_lm_head_at_decode_batch_sizes_has_the_triton_bits(mods):
+    mm, lt = mods
+    n, k = 151936, 4096
+    a, w = _weights(n, k, 256)
+    info = mm.device_info(torch.cuda.current_device())
+    full = mm.matmul(a, w.t(), config=mm.pick_config(256, n, k, torch.bfloat16, info))
+    for m in (1, 129, 256):
+        assert same_bits(mm.matmul(a[:m], w.t()), full[:m]), m
+
+
+def test_a_check_too_large_for_its_memory_cap_leaves_the_rows_to_triton(mods, monkeypatch):
+    mm, lt = mods
+    n, k, m = 4096, 4096, 512
+    monkeypatch.setattr(lt, "VERIFY_MAX_BYTES", m * (k + 2 * n) * 2 - 1)
+    a, w = _weights(n, k, m)
+    info = mm.device_info(torch.cuda.current_device())
+    out = mm.matmul(a, w.t())
+    (weight,) = [v for v in mm._WEIGHTS.values() if v is not None]
+    assert weight.by_m[m].gemm is None
+    assert not lt._SHAPES  # never checked
+    cfg = mm.pick_config(m, n, k, torch.bfloat16, info)
+    assert same_bits(out, mm.matmul(a, w.t(), config=cfg))
