@@ -49,11 +49,11 @@ _threads_inside = 0
 _ONES: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
+@functools.cache
 def _kernels():
-    # Late import: kernels/__init__ exports this module's context manager.
-    from detgate import kernels
-
-    return kernels
+    # Late import: kernels/__init__ exports this module's context manager. Cached: a
+    # `from ... import` in a function runs importlib's fromlist handling on every routed call.
+    return import_module("detgate.kernels")
 
 
 @functools.cache
