@@ -221,7 +221,6 @@ def main(args) -> int:
     if not torch.cuda.is_available():
         print("the eager kernel benchmark needs a CUDA device")
         return 2
-    result = run(skip_model=args.skip_model, model_only=args.model_only,
-                 profile=getattr(args, "profile", False))
+    result = run(skip_model=args.skip_model, model_only=args.model_only, profile=args.profile)
     bench.write_json(result, args.json)
     return 0

@@ -57,14 +57,9 @@ def _kernels():
 
 
 @functools.cache
-def _row_sum():
+def _rmsnorm_triton():
     # Resolved once: import_module costs microseconds on every call of an eager mean.
-    return import_module("detgate.kernels.rmsnorm_triton").row_sum
-
-
-@functools.cache
-def _mean_last_dim():
-    return import_module("detgate.kernels.rmsnorm_triton").mean_last_dim
+    return import_module("detgate.kernels.rmsnorm_triton")
 
 
 def _outer(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -121,7 +116,7 @@ def _mean_dim(x: torch.Tensor, dim=None, keepdim: bool = False, dtype=None
             and x.shape[-1]):
         # The common case (a norm's mean over the last dim): one launch, the sum and the
         # division of the general path below, bit for bit.
-        return _mean_last_dim()(x, keepdim)
+        return _rmsnorm_triton().mean_last_dim(x, keepdim)
     out_dtype = dtype or x.dtype
     if x.dtype not in _FLOATS or out_dtype not in _FLOATS:
         return None
@@ -137,7 +132,7 @@ def _mean_dim(x: torch.Tensor, dim=None, keepdim: bool = False, dtype=None
                           device=x.device)
     if rows.is_cuda:
         # One program per row, one fixed order set by the length (kernels/rmsnorm_triton.py).
-        total = _row_sum()(rows)
+        total = _rmsnorm_triton().row_sum(rows)
     else:
         # The sum of each row is a fp32 matmul with ones: one fixed K order per row, whatever
         # the number of rows. Eight columns, not one: a single column takes GEMV paths on CPU

@@ -102,12 +102,12 @@ def mean_last_dim(x: torch.Tensor, keepdim: bool) -> torch.Tensor:
     set_batch_invariant_mode routes every RMSNorm's mean of a Hugging Face model here, where
     host time is the forward's cost: one dict lookup, one allocation, one C launch."""
     length = x.shape[-1]
+    shape = x.shape[:-1] + (1,) if keepdim else x.shape[:-1]
     launch = _ROW_SUM_LAUNCHERS.get((x.get_device(), x.dtype, length, True))
     if launch is None or x.data_ptr() % 16:
-        mean = row_sum(x.view(-1, length), mean=True)  # compiles and caches the launcher
-        return mean.view(*x.shape[:-1], 1) if keepdim else mean.view(x.shape[:-1])
-    shape = x.shape[:-1]
-    out = x.new_empty(shape + (1,) if keepdim else shape)
+        # compiles and caches the launcher
+        return row_sum(x.view(-1, length), mean=True).view(shape)
+    out = x.new_empty(shape)
     rows = out.numel()
     if rows:
         launcher, scale = launch
