@@ -53,6 +53,9 @@ KV_SPLIT = 1024  # KV positions per split: a multiple of BLOCK_N
 # The split launch is taken (splits > 1) while the fused one would have fewer programs than
 # this many per SM: below it, more programs pay for the combine kernel. Launch shape only.
 SPLIT_PROGRAMS_BELOW = 2
+# The fused launch walks its splits' tiles in one loop (True) or a loop per split (False): the
+# same operations per element in the same order, so the same bits; loop shape only.
+FLAT_SPLITS = True
 COMBINE_HEADS = 2  # heads x head-dim slice per combine program: spread the merge loops wide
 COMBINE_DIMS = 64
 _LOG2E = 1.4426950408889634
@@ -96,6 +99,39 @@ def _find_seq(qsl_ptr, target, num_seqs, BLOCK_Q: tl.constexpr, PER_BLOCK: tl.co
 
 
 @triton.jit
+def _tile_step(m, denom, acc, q, q_pos, n0, seq_len, table_ptr, k_cache_ptr, v_cache_ptr,
+               kv_head, stride_cache_slot, stride_cache_head, qk_scale,
+               BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+               PRECISION: tl.constexpr):
+    """Fold the tile of positions [n0, n0 + BLOCK_N) into the online softmax (m, denom, acc):
+    running max (log2 domain), sum and unnormalised sum of p * v."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    ones = tl.full([BLOCK_N, ROW_SUM_COLUMNS], 1.0, v_cache_ptr.dtype.element_ty)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    key_ok = offs_n < seq_len
+    block = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+    row = (block * BLOCK_SIZE + offs_n % BLOCK_SIZE) * stride_cache_slot \
+        + kv_head * stride_cache_head
+    k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    visible = (offs_n[None, :] <= q_pos[:, None]) & key_ok[None, :]
+    s = tl.where(visible, s, float("-inf"))
+    # A row before this tile sees none of it: its state must stay bit-for-bit.
+    seen = n0 <= q_pos
+    m_new = tl.where(seen, tl.maximum(m, tl.max(s, 1)), 0.0)
+    p = tl.exp2(s - m_new[:, None]).to(v.dtype)
+    alpha = tl.exp2(m - m_new)
+    # Row sum as p @ ones: the same k16 chain over positions as p @ v (its columns are
+    # equal; max picks one exactly), whatever the tile's thread and warp layout.
+    row_sum = tl.max(tl.dot(p, ones, input_precision=PRECISION), 1)
+    denom_new = denom * alpha + row_sum
+    acc_new = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+    return (tl.where(seen, m_new, m), tl.where(seen, denom_new, denom),
+            tl.where(seen[:, None], acc_new, acc))
+
+
+@triton.jit
 def _split_partial(q, q_pos, kv_lo, kv_hi, seq_len, table_ptr, k_cache_ptr, v_cache_ptr,
                    kv_head, stride_cache_slot, stride_cache_head, qk_scale,
                    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -103,35 +139,13 @@ def _split_partial(q, q_pos, kv_lo, kv_hi, seq_len, table_ptr, k_cache_ptr, v_ca
     """Online softmax of rows q [BLOCK_M, D] over positions [kv_lo, kv_hi), tile by tile.
 
     Returns (m, denom, acc): running max (log2 domain), sum and unnormalised sum of p * v."""
-    offs_d = tl.arange(0, HEAD_DIM)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    ones = tl.full([BLOCK_N, ROW_SUM_COLUMNS], 1.0, v_cache_ptr.dtype.element_ty)
     for n0 in range(kv_lo, kv_hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        key_ok = offs_n < seq_len
-        block = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-        row = (block * BLOCK_SIZE + offs_n % BLOCK_SIZE) * stride_cache_slot \
-            + kv_head * stride_cache_head
-        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        visible = (offs_n[None, :] <= q_pos[:, None]) & key_ok[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        # A row before this tile sees none of it: its state must stay bit-for-bit.
-        seen = n0 <= q_pos
-        m_new = tl.where(seen, tl.maximum(m, tl.max(s, 1)), 0.0)
-        p = tl.exp2(s - m_new[:, None]).to(v.dtype)
-        alpha = tl.exp2(m - m_new)
-        # Row sum as p @ ones: the same k16 chain over positions as p @ v (its columns are
-        # equal; max picks one exactly), whatever the tile's thread and warp layout.
-        row_sum = tl.max(tl.dot(p, ones, input_precision=PRECISION), 1)
-        denom_new = denom * alpha + row_sum
-        acc_new = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-        denom = tl.where(seen, denom_new, denom)
-        acc = tl.where(seen[:, None], acc_new, acc)
-        m = tl.where(seen, m_new, m)
+        m, denom, acc = _tile_step(m, denom, acc, q, q_pos, n0, seq_len, table_ptr, k_cache_ptr,
+                                   v_cache_ptr, kv_head, stride_cache_slot, stride_cache_head,
+                                   qk_scale, BLOCK_SIZE, HEAD_DIM, BLOCK_N, PRECISION)
     return m, denom, acc
 
 
@@ -156,7 +170,8 @@ def _attn_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, qsl_ptr, 
                  qk_scale, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, KV_SPLIT: tl.constexpr, SPLIT_PROGRAMS: tl.constexpr,
-                 DECODE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+                 FLAT_SPLITS: tl.constexpr, DECODE: tl.constexpr, PRECISION: tl.constexpr,
+                 PDL: tl.constexpr):
     pdl.enter(PDL)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     pid = tl.program_id(0)
@@ -198,13 +213,31 @@ def _attn_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, qsl_ptr, 
         m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
         denom_run = tl.zeros([BLOCK_M], tl.float32)
         acc_run = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        for split_lo in range(0, kv_end, KV_SPLIT):
-            m, denom, acc = _split_partial(q, q_pos, split_lo,
-                                       tl.minimum(split_lo + KV_SPLIT, kv_end), seq_len,
-                                       table_ptr, k_cache_ptr, v_cache_ptr, kv_head,
-                                       stride_cache_slot, stride_cache_head, qk_scale,
-                                       BLOCK_SIZE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION)
-            m_run, denom_run, acc_run = _merge(m_run, denom_run, acc_run, m, denom, acc)
+        if FLAT_SPLITS:
+            # The splits' tiles in one loop (the pipeline's loads run ahead across a split's
+            # end), each split merged once its last tile is folded: per element the same
+            # operations, in the same order, as _split_partial per split then _merge below.
+            m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            denom = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+            for n0 in range(0, kv_end, BLOCK_N):
+                m, denom, acc = _tile_step(m, denom, acc, q, q_pos, n0, seq_len, table_ptr,
+                                           k_cache_ptr, v_cache_ptr, kv_head, stride_cache_slot,
+                                           stride_cache_head, qk_scale, BLOCK_SIZE, HEAD_DIM,
+                                           BLOCK_N, PRECISION)
+                if ((n0 + BLOCK_N) % KV_SPLIT == 0) | (n0 + BLOCK_N >= kv_end):
+                    m_run, denom_run, acc_run = _merge(m_run, denom_run, acc_run, m, denom, acc)
+                    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                    denom = tl.zeros([BLOCK_M], tl.float32)
+                    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        else:
+            for split_lo in range(0, kv_end, KV_SPLIT):
+                m, denom, acc = _split_partial(q, q_pos, split_lo,
+                                               tl.minimum(split_lo + KV_SPLIT, kv_end), seq_len,
+                                               table_ptr, k_cache_ptr, v_cache_ptr, kv_head,
+                                               stride_cache_slot, stride_cache_head, qk_scale,
+                                               BLOCK_SIZE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION)
+                m_run, denom_run, acc_run = _merge(m_run, denom_run, acc_run, m, denom, acc)
         out = acc_run / denom_run[:, None]
         tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -316,7 +349,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                        k_cache.stride(1), k_cache.stride(2), hq * max_splits, max_splits,
                        scale * _LOG2E, BLOCK_SIZE=block_size, HEAD_DIM=d, GROUP=group,
                        GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_N=BLOCK_N, KV_SPLIT=KV_SPLIT,
-                       SPLIT_PROGRAMS=split_programs, DECODE=decode, PRECISION=precision,
+                       SPLIT_PROGRAMS=split_programs, FLAT_SPLITS=FLAT_SPLITS, DECODE=decode,
+                       PRECISION=precision,
                        num_warps=warps, num_stages=stages, enable_fp_fusion=False, **launch)
     if split_programs:
         heads, dims = min(COMBINE_HEADS, hq), min(COMBINE_DIMS, d)

@@ -54,6 +54,23 @@ def test_matches_reference_both_launches(at):
         torch.testing.assert_close(fused[i], reference_output(world, i), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("kv_split", [64, 1024])
+def test_one_loop_over_splits_equals_a_loop_per_split(monkeypatch, kv_split):
+    """The fused launch's two loop shapes (FLAT_SPLITS) and the split launch: the same bits,
+    at the shipped split and at one split per 64-position tile."""
+    at = import_module("detgate.kernels.attention_triton")
+    monkeypatch.setattr(at, "KV_SPLIT", kv_split)
+    lens = [1500, 1, 300, 64, 65]
+    world = make_world(lens, HQ, HKV, D, 16, torch.bfloat16, "cuda", seed=8)
+    seqs = list(range(len(lens)))
+    flat = prefill(world, seqs, impl=_impl(at, False))
+    split = prefill(world.fresh_cache(), seqs, impl=_impl(at, True))
+    monkeypatch.setattr(at, "FLAT_SPLITS", False)
+    nested = prefill(world.fresh_cache(), seqs, impl=_impl(at, False))
+    for i in seqs:
+        assert same_bits(flat[i], nested[i]) and same_bits(flat[i], split[i]), i
+
+
 def test_fp32_matches_reference_without_tf32(at):
     world = make_world([200, 77], HQ, HKV, D, 32, torch.float32, "cuda", seed=2)
     outs = prefill(world, [0, 1], impl=_impl(at, None))

@@ -82,6 +82,16 @@ def test_matches_reference_and_launch_shapes_agree(dtype):
         torch.testing.assert_close(f, reference_output(world, i), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+def test_one_loop_over_splits_equals_a_loop_per_split(monkeypatch):
+    """The fused launch's two loop shapes (FLAT_SPLITS) run the same operations per element:
+    the same bits, for queries crossing one, several or no split ends."""
+    world = make_world([100, 31, 64, 1], 4, 2, 16, 16, torch.float32, DEVICE, seed=8)
+    flat = prefill(world, [0, 1, 2, 3], impl=FUSED)
+    monkeypatch.setattr(at, "FLAT_SPLITS", False)
+    nested = prefill(world.fresh_cache(), [0, 1, 2, 3], impl=FUSED)
+    assert all(same_bits(a, b) for a, b in zip(flat, nested, strict=True))
+
+
 def test_sequence_alone_equals_sequence_among_many():
     lens = [45, 3, 70, 17]
     world = make_world(lens, 4, 2, 16, 16, torch.float32, DEVICE, seed=2)
