@@ -11,7 +11,7 @@ from __future__ import annotations
 TileConfig = tuple[int, int, int, int]
 
 FIELDS = ("BLOCK_M", "BLOCK_N", "NUM_WARPS", "NUM_STAGES")
-CONFIGS: list[TileConfig] = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 128, 4, 2)]
+CONFIGS: list[TileConfig] = [(64, 64, 4, 3), (64, 64, 4, 2)]
 SHIPPED = CONFIGS[0]
 # Decode launches (one query per sequence: GROUP useful rows of a tile) take their own rows per
 # program, warps and stages, with the BLOCK_N of the configuration in force: 16 rows (the MMA's

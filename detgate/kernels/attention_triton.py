@@ -49,7 +49,7 @@ DECODE_BLOCK_M, DECODE_NUM_WARPS, DECODE_NUM_STAGES = DECODE
 DECODE_TILE = os.environ.get("DETGATE_DECODE_TILE", "1") != "0"
 # Columns of the ones that p is multiplied by for its row sum: the MMA's smallest N.
 ROW_SUM_COLUMNS = tl.constexpr(16)
-KV_SPLIT = 1024  # KV positions per split: a multiple of BLOCK_N
+KV_SPLIT = 64  # KV positions per split: a multiple of BLOCK_N (one tile of the shipped configuration)
 # The split launch is taken (splits > 1) while the fused one would have fewer programs than
 # this many per SM: below it, more programs pay for the combine kernel. Launch shape only.
 SPLIT_PROGRAMS_BELOW = 2
