@@ -38,7 +38,7 @@ PREFILL_SHAPES = [(1, 1024), (4, 2048), (1, 4096), (1, 8192)]
 BLOCK_SIZE = 16
 # KV split sizes timed beside the shipped one (kernels/attention_triton.py KV_SPLIT): smaller
 # splits give one long sequence more programs, and cost every query a merge per split.
-OTHER_KV_SPLITS = (256, 128, 64)
+OTHER_KV_SPLITS = (1024, 256, 128)
 
 
 def _cuda_ms(fn: Callable[[], object], reps: int = 5) -> float:
@@ -193,32 +193,31 @@ def run(device: str | torch.device) -> list[dict]:
     return _cuda_rows() if torch.device(device).type == "cuda" else _cpu_rows()
 
 
-def split_ab(splits: list[int], rounds: int) -> dict:
-    """The shipped tiles at each KV split, the fused launch looping over all of a query's tiles
-    at once (`flat`, attention_triton.FLAT_SPLITS) and per split (`nested`; the same bits),
-    on the prefill shapes and short-context decodes; variants alternate within each round,
-    medians of the rounds."""
+def split_ab(layouts: list[tuple[int, int]], rounds: int) -> dict:
+    """The shipped tiles under each (KV split, KV group) layout (attention_triton.KV_SPLIT,
+    KV_GROUP: part of the numerics, so each layout has its own bits), auto launch, on the
+    prefill shapes and on decodes of short and long contexts; layouts alternate within each
+    round, medians of the rounds."""
     at = import_module("detgate.kernels.attention_triton")
     gen = torch.Generator(device="cuda").manual_seed(0)
     cases = [("attention_prefill", b, n, n) for b, n in PREFILL_SHAPES] + \
-        [("attention_decode", b, n, 1) for b, n in ((1, 256), (64, 256), (256, 256), (1, 4096))]
-    variants = [(s, flat) for s in splits for flat in (True, False)]
+        [("attention_decode", b, n, 1) for b, n in DECODE_SHAPES]
     times: dict[tuple, list[float]] = {}
     for op, batch, seq_len, q_len in cases:
         inp = _paged_inputs(batch, seq_len, q_len, QWEN3_8B, torch.bfloat16, "cuda", gen)
         call = functools.partial(at.paged_attention, **inp, decode=q_len == 1)
         for r in range(rounds):
-            for kv_split, flat in variants[r % len(variants):] + variants[:r % len(variants)]:
-                saved, at.FLAT_SPLITS = at.FLAT_SPLITS, flat
+            for kv_split, kv_group in layouts[r % len(layouts):] + layouts[:r % len(layouts)]:
+                saved, at.KV_GROUP = at.KV_GROUP, kv_group
                 try:
                     ms = _cuda_ms(_with_split(at, kv_split, call))
                 finally:
-                    at.FLAT_SPLITS = saved
-                times.setdefault((op, batch, seq_len, kv_split, flat), []).append(ms)
+                    at.KV_GROUP = saved
+                times.setdefault((op, batch, seq_len, kv_split, kv_group), []).append(ms)
         del inp
-    rows = [{"op": op, "batch": b, "seq_len": n, "kv_split": s, "loop": "flat" if f else "nested",
+    rows = [{"op": op, "batch": b, "seq_len": n, "kv_split": s, "kv_group": g,
              "ms": sorted(v)[len(v) // 2], "rounds_ms": v}
-            for (op, b, n, s, f), v in times.items()]
+            for (op, b, n, s, g), v in times.items()]
     return {"rows": rows, "timing": "eager calls between CUDA events, median of the rounds "
                                     "(each round the median of 5 batches of calls)"}
 
@@ -230,17 +229,20 @@ def main() -> int:
 
     from detgate.bench.report import environment
 
-    p = argparse.ArgumentParser(description="KV split sizes and the fused launch's loop shape, "
-                                            "A/B on the GPU (split_ab)")
-    p.add_argument("--splits", default="1024,128,64")
+    p = argparse.ArgumentParser(description="KV split and group sizes, A/B on the GPU "
+                                            "(split_ab)")
+    p.add_argument("--layouts", default="1024:1024,64:1024,64:64",
+                   help="KV_SPLIT:KV_GROUP pairs (positions; the group a multiple of the split)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", required=True)
     args = p.parse_args()
     result = {"environment": environment("cuda"), "args": vars(args),
-              **split_ab([int(s) for s in args.splits.split(",")], args.rounds)}
+              **split_ab([tuple(int(x) for x in v.split(":")) for v in args.layouts.split(",")],
+                         args.rounds)}
     Path(args.json).write_text(json.dumps(result, indent=1))
     for row in result["rows"]:
-        print("{op:18s} {batch:4d} x {seq_len:5d} split {kv_split:5d} {loop:6s} {ms:8.4f} ms"
+        print("{op:18s} {batch:4d} x {seq_len:5d} split {kv_split:5d} group {kv_group:5d} "
+              "{ms:8.4f} ms"
               .format(**row))
     return 0
 

@@ -19,9 +19,8 @@ run (its gpu_kernels.json) merged over the shipped one; `--kv-split 128,256,...`
 variant with each attention KV split size (kernels/attention_triton.py KV_SPLIT: positions per
 split, part of the numerics, so its bits differ from the shipped split's; a context longer
 than a split runs the split launch at small batches; `64/4`: that split with the split launch
-taken below 4 programs per SM instead of attention_triton.SPLIT_PROGRAMS_BELOW);
-`--nested-splits` adds each of those with the fused launch looping per split
-(attention_triton.FLAT_SPLITS off: same bits, other loop shape). Writes
+taken below 4 programs per SM instead of attention_triton.SPLIT_PROGRAMS_BELOW; each a
+divisor of KV_GROUP). Writes
 OUT_DIR/decode-ab.json (median ms per variant and batch, every round's).
 """
 
@@ -134,8 +133,6 @@ def main() -> int:
                    "decode variant with its tuned matmul table")
     p.add_argument("--kv-split", default="", help="attention KV split sizes (multiples of "
                    "BLOCK_N), for more decode variants")
-    p.add_argument("--nested-splits", action="store_true", help="each --kv-split variant also "
-                   "with the fused launch's loop per split (attention_triton.FLAT_SPLITS off)")
     args = p.parse_args()
     variants = dict(VARIANTS)
     shipped_table = dict(matmul_triton.TUNED_16BIT)
@@ -164,7 +161,6 @@ def main() -> int:
     shipped_below = attention_triton.SPLIT_PROGRAMS_BELOW
     kv_split: dict[str, int] = {}  # variant -> attention KV split, if not shipped's
     split_below: dict[str, int] = {}  # variant -> SPLIT_PROGRAMS_BELOW, if not shipped's
-    nested: set[str] = set()  # variants whose fused attention loops per split
     for value in filter(None, args.kv_split.split(",")):
         size, _, below = value.partition("/")
         if int(size) % SHIPPED[1]:
@@ -174,11 +170,6 @@ def main() -> int:
         if below:
             split_below[name] = int(below)
         args.variants += f",{name}"
-        if args.nested_splits:
-            variants[f"{name}_nested"], kv_split[f"{name}_nested"] = variants[name], int(size)
-            split_below.update({f"{name}_nested": int(below)} if below else {})
-            nested.add(f"{name}_nested")
-            args.variants += f",{name}_nested"
     for name in filter(None, args.tiles.split(",")):
         config = tuple(int(x) for x in re.findall(r"\d+", name))
         if len(config) != 4 or config_name(config) != name:
@@ -205,7 +196,6 @@ def main() -> int:
             rows, at.BLOCK_N, warps, stages = tiles or DECODE_SHIPPED
             at.KV_SPLIT = kv_split.get(name, shipped_split)
             at.SPLIT_PROGRAMS_BELOW = split_below.get(name, shipped_below)
-            at.FLAT_SPLITS = name not in nested
             at.DECODE_BLOCK_M, at.DECODE_NUM_WARPS, at.DECODE_NUM_STAGES = rows, warps, stages
             table = tables.get(name, shipped_table)
             if table != matmul_triton.TUNED_16BIT:
@@ -236,7 +226,6 @@ def main() -> int:
                                      for n in names},
               "kv_split": {n: kv_split.get(n, shipped_split) for n in names},
               "split_programs_below": {n: split_below.get(n, shipped_below) for n in names},
-              "flat_splits": {n: n not in nested for n in names},
               "matmul_tables": {n: {f"{nk[0]},{nk[1]}": v for nk, v in t.items()}
                                 for n, t in tables.items()},
               "median_ms": median, "runs": runs,

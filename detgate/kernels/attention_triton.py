@@ -2,21 +2,27 @@
 
 Reduction order (the invariant), the same for every query whatever the call:
 - the KV axis is cut into splits of `KV_SPLIT` positions (split s = [s*KV_SPLIT, (s+1)*KV_SPLIT),
-  a fixed SIZE, never a fixed number of splits), each split into tiles of `BLOCK_N` positions;
+  a fixed SIZE, never a fixed number of splits), each split into tiles of `BLOCK_N` positions,
+  and into groups of `KV_GROUP` positions, each a fixed run of whole splits;
 - inside a split, a query folds its visible tiles in ascending order into an online softmax
-  (`_split_partial`); a tile after the query's position leaves its state untouched (`where`);
+  (`_tile_step`); a tile after the query's position leaves its state untouched (`where`);
 - inside a tile, every sum is a matrix product, i.e. one chain of MMA k16 steps in increasing
   k per output element: q.k over the head dim, p @ v and the row sum of p (p @ ones) over the
   tile's positions; the rest is exact (max) or elementwise. No sum is left to a reduction whose
   tree would follow how the tile's rows and columns sit in threads and warps;
-- the split results are merged in split order by `_merge`.
+- a group is its splits merged in split order by `_merge` into an empty state, the result its
+  groups merged in group order into an empty state. Small splits give a short sequence's
+  decode more programs; groups keep a long context's split launch at one program (and one
+  merge in the combine) per KV_GROUP positions.
 Two launch shapes run that same arithmetic: "fused" (one program per query block and KV head
-walks all its splits and merges them in registers: no workspace, for prefill and big batches)
-and "split" (one program per query block, KV head and split writes its partial result, then
-`_combine_kernel` merges them: parallelism for few queries over long contexts). Both use the
-same tile shapes, warps and helpers, and floating-point contraction is off (no mul+add fused
-into an FMA in one kernel but not the other), so a query's bits do not depend on which launch
-ran it, nor on its row inside the query block, nor on the other queries and sequences.
+walks all its tiles in one loop, `_fold`, merging splits and groups in registers as they end:
+no workspace, for prefill and big batches) and "split" (one program per query block, KV head
+and unit, a group or for a short context a split, writes its partial result, then
+`_combine_kernel` merges them, splits into groups where the units are splits: parallelism
+for few queries). All use the same tile shapes, warps and helpers, and floating-point
+contraction is off (no mul+add fused into an FMA in one kernel but not the other), so a
+query's bits do not depend on which launch ran it, nor on its row inside the query block,
+nor on the other queries and sequences.
 A decode-only call (`decode=True`: at most one query per sequence) maps program i to sequence i
 instead of searching query_start_loc for it, and runs tiles of `DECODE` rows (16: the GROUP rows
 of its one query, where 64-row tiles would be three quarters padding) with its own warps and
@@ -49,13 +55,12 @@ DECODE_BLOCK_M, DECODE_NUM_WARPS, DECODE_NUM_STAGES = DECODE
 DECODE_TILE = os.environ.get("DETGATE_DECODE_TILE", "1") != "0"
 # Columns of the ones that p is multiplied by for its row sum: the MMA's smallest N.
 ROW_SUM_COLUMNS = tl.constexpr(16)
-KV_SPLIT = 64  # KV positions per split: a multiple of BLOCK_N (one tile of the shipped configuration)
-# The split launch is taken (splits > 1) while the fused one would have fewer programs than
-# this many per SM: below it, more programs pay for the combine kernel. Launch shape only.
+KV_SPLIT = 64  # KV positions per split: a multiple of BLOCK_N (one tile of the shipped tiles)
+KV_GROUP = 1024  # KV positions per group of splits: a multiple of KV_SPLIT
+# The split launch is taken while the fused one would have fewer programs than this many per
+# SM: below it, more programs pay for the combine kernel. It runs a program per group, or per
+# split where even that many would be fewer (one short sequence). Launch shape only.
 SPLIT_PROGRAMS_BELOW = 2
-# The fused launch walks its splits' tiles in one loop (True) or a loop per split (False): the
-# same operations per element in the same order, so the same bits; loop shape only.
-FLAT_SPLITS = True
 COMBINE_HEADS = 2  # heads x head-dim slice per combine program: spread the merge loops wide
 COMBINE_DIMS = 64
 _LOG2E = 1.4426950408889634
@@ -164,14 +169,55 @@ def _merge(m_run, denom_run, acc_run, m, denom, acc):
 
 
 @triton.jit
+def _fold(q, q_pos, kv_lo, kv_hi, seq_len, table_ptr, k_cache_ptr, v_cache_ptr, kv_head,
+          stride_cache_slot, stride_cache_head, qk_scale, BLOCK_SIZE: tl.constexpr,
+          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          KV_SPLIT: tl.constexpr, KV_GROUP: tl.constexpr, GROUPS: tl.constexpr,
+          PRECISION: tl.constexpr):
+    """The tiles of [kv_lo, kv_hi) (kv_lo on a group's start) in one loop, so that the
+    pipeline's loads run ahead across split and group ends: a split is merged into its group
+    once its last tile is folded and, GROUPS, a group into the run once its last split is.
+    Returns the run (GROUPS) or the one group's merged splits (not GROUPS)."""
+    m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    denom_run = tl.zeros([BLOCK_M], tl.float32)
+    acc_run = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    m_grp = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    denom_grp = tl.zeros([BLOCK_M], tl.float32)
+    acc_grp = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for n0 in range(kv_lo, kv_hi, BLOCK_N):
+        m, denom, acc = _tile_step(m, denom, acc, q, q_pos, n0, seq_len, table_ptr, k_cache_ptr,
+                                   v_cache_ptr, kv_head, stride_cache_slot, stride_cache_head,
+                                   qk_scale, BLOCK_SIZE, HEAD_DIM, BLOCK_N, PRECISION)
+        last = n0 + BLOCK_N >= kv_hi
+        if ((n0 + BLOCK_N) % KV_SPLIT == 0) | last:
+            m_grp, denom_grp, acc_grp = _merge(m_grp, denom_grp, acc_grp, m, denom, acc)
+            m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            denom = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        if GROUPS:  # noqa: SIM102 (a compile-time branch around a run-time one)
+            if ((n0 + BLOCK_N) % KV_GROUP == 0) | last:
+                m_run, denom_run, acc_run = _merge(m_run, denom_run, acc_run, m_grp, denom_grp,
+                                                   acc_grp)
+                m_grp = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                denom_grp = tl.zeros([BLOCK_M], tl.float32)
+                acc_grp = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if GROUPS:
+        return m_run, denom_run, acc_run
+    return m_grp, denom_grp, acc_grp
+
+
+@triton.jit
 def _attn_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, qsl_ptr, seq_lens_ptr,
                  ws_ml_ptr, ws_acc_ptr, num_seqs, stride_qt, stride_qh, stride_ot, stride_oh,
                  stride_table, stride_cache_slot, stride_cache_head, stride_ws_t, stride_ws_h,
                  qk_scale, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, KV_SPLIT: tl.constexpr, SPLIT_PROGRAMS: tl.constexpr,
-                 FLAT_SPLITS: tl.constexpr, DECODE: tl.constexpr, PRECISION: tl.constexpr,
-                 PDL: tl.constexpr):
+                 BLOCK_N: tl.constexpr, KV_SPLIT: tl.constexpr, KV_GROUP: tl.constexpr,
+                 SPLIT_PROGRAMS: tl.constexpr, PER_SPLIT: tl.constexpr, DECODE: tl.constexpr,
+                 PRECISION: tl.constexpr, PDL: tl.constexpr):
     pdl.enter(PDL)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     pid = tl.program_id(0)
@@ -197,59 +243,58 @@ def _attn_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, qsl_ptr, 
     kv_end = tl.minimum(seq_len - q_len + q_first + BLOCK_Q, seq_len)  # last row's pos + 1
     table_ptr = tables_ptr + seq.to(tl.int64) * stride_table
     if SPLIT_PROGRAMS:
-        split_lo = tl.program_id(2) * KV_SPLIT
-        if split_lo >= kv_end:
+        # This program's unit: one split (its partial) or one group (its splits merged).
+        unit_lo = tl.program_id(2) * (KV_SPLIT if PER_SPLIT else KV_GROUP)
+        if unit_lo >= kv_end:
             return
-        m, denom, acc = _split_partial(q, q_pos, split_lo, tl.minimum(split_lo + KV_SPLIT, kv_end),
-                                   seq_len, table_ptr, k_cache_ptr, v_cache_ptr, kv_head,
-                                   stride_cache_slot, stride_cache_head, qk_scale, BLOCK_SIZE,
-                                   HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION)
-        keep = row_ok & (q_pos >= split_lo)
+        if PER_SPLIT:
+            m, denom, acc = _split_partial(q, q_pos, unit_lo,
+                                           tl.minimum(unit_lo + KV_SPLIT, kv_end), seq_len,
+                                           table_ptr, k_cache_ptr, v_cache_ptr, kv_head,
+                                           stride_cache_slot, stride_cache_head, qk_scale,
+                                           BLOCK_SIZE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION)
+        else:
+            m, denom, acc = _fold(q, q_pos, unit_lo, tl.minimum(unit_lo + KV_GROUP, kv_end),
+                                  seq_len, table_ptr, k_cache_ptr, v_cache_ptr, kv_head,
+                                  stride_cache_slot, stride_cache_head, qk_scale, BLOCK_SIZE,
+                                  HEAD_DIM, BLOCK_M, BLOCK_N, KV_SPLIT, KV_GROUP, False,
+                                  PRECISION)
+        keep = row_ok & (q_pos >= unit_lo)
         ws = tok * stride_ws_t + head * stride_ws_h + tl.program_id(2)
         tl.store(ws_ml_ptr + 2 * ws, m, mask=keep)
         tl.store(ws_ml_ptr + 2 * ws + 1, denom, mask=keep)
         tl.store(ws_acc_ptr + ws[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=keep[:, None])
     else:
-        m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        denom_run = tl.zeros([BLOCK_M], tl.float32)
-        acc_run = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        if FLAT_SPLITS:
-            # The splits' tiles in one loop (the pipeline's loads run ahead across a split's
-            # end), each split merged once its last tile is folded: per element the same
-            # operations, in the same order, as _split_partial per split then _merge below.
-            m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            denom = tl.zeros([BLOCK_M], tl.float32)
-            acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-            for n0 in range(0, kv_end, BLOCK_N):
-                m, denom, acc = _tile_step(m, denom, acc, q, q_pos, n0, seq_len, table_ptr,
-                                           k_cache_ptr, v_cache_ptr, kv_head, stride_cache_slot,
-                                           stride_cache_head, qk_scale, BLOCK_SIZE, HEAD_DIM,
-                                           BLOCK_N, PRECISION)
-                if ((n0 + BLOCK_N) % KV_SPLIT == 0) | (n0 + BLOCK_N >= kv_end):
-                    m_run, denom_run, acc_run = _merge(m_run, denom_run, acc_run, m, denom, acc)
-                    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                    denom = tl.zeros([BLOCK_M], tl.float32)
-                    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        else:
-            for split_lo in range(0, kv_end, KV_SPLIT):
-                m, denom, acc = _split_partial(q, q_pos, split_lo,
-                                               tl.minimum(split_lo + KV_SPLIT, kv_end), seq_len,
-                                               table_ptr, k_cache_ptr, v_cache_ptr, kv_head,
-                                               stride_cache_slot, stride_cache_head, qk_scale,
-                                               BLOCK_SIZE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION)
-                m_run, denom_run, acc_run = _merge(m_run, denom_run, acc_run, m, denom, acc)
+        m_run, denom_run, acc_run = _fold(q, q_pos, 0, kv_end, seq_len, table_ptr, k_cache_ptr,
+                                          v_cache_ptr, kv_head, stride_cache_slot,
+                                          stride_cache_head, qk_scale, BLOCK_SIZE, HEAD_DIM,
+                                          BLOCK_M, BLOCK_N, KV_SPLIT, KV_GROUP, True, PRECISION)
         out = acc_run / denom_run[:, None]
         tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
+def _partial(ws_ml_ptr, ws_acc_ptr, tok, heads, head_ok, dims, unit, stride_ws_t, stride_ws_h,
+             HEAD_DIM: tl.constexpr):
+    """One unit's (m, denom, acc) of the token's heads, as the attention kernel parked it."""
+    ws = tok.to(tl.int64) * stride_ws_t + heads * stride_ws_h + unit
+    m = tl.load(ws_ml_ptr + 2 * ws, mask=head_ok, other=float("-inf"))
+    denom = tl.load(ws_ml_ptr + 2 * ws + 1, mask=head_ok, other=0.0)
+    acc = tl.load(ws_acc_ptr + ws[:, None] * HEAD_DIM + dims[None, :], mask=head_ok[:, None],
+                  other=0.0)
+    return m, denom, acc
+
+
+@triton.jit
 def _combine_kernel(out_ptr, qsl_ptr, seq_lens_ptr, ws_ml_ptr, ws_acc_ptr, num_seqs,
                     stride_ot, stride_oh, stride_ws_t, stride_ws_h, HQ: tl.constexpr,
                     HEADS: tl.constexpr, DIMS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    KV_SPLIT: tl.constexpr, PDL: tl.constexpr):
-    """One program per (token, HEADS heads, DIMS of the head dim): merges the token's splits
-    0..pos // KV_SPLIT in order."""
+                    KV_SPLIT: tl.constexpr, KV_GROUP: tl.constexpr, PER_SPLIT: tl.constexpr,
+                    PDL: tl.constexpr):
+    """One program per (token, HEADS heads, DIMS of the head dim): merges the token's groups
+    0..pos // KV_GROUP in order into the run, PER_SPLIT each group first from its splits in
+    order (the fused launch's `_fold`, step for step)."""
     pdl.enter(PDL)
     tok = tl.program_id(0)
     seq = _find_seq(qsl_ptr, tok, num_seqs, 1, False)
@@ -261,13 +306,21 @@ def _combine_kernel(out_ptr, qsl_ptr, seq_lens_ptr, ws_ml_ptr, ws_acc_ptr, num_s
     m_run = tl.full([HEADS], float("-inf"), tl.float32)
     denom_run = tl.zeros([HEADS], tl.float32)
     acc_run = tl.zeros([HEADS, DIMS], tl.float32)
-    for split in range(0, pos // KV_SPLIT + 1):
-        ws = tok.to(tl.int64) * stride_ws_t + heads * stride_ws_h + split
-        m = tl.load(ws_ml_ptr + 2 * ws, mask=head_ok, other=float("-inf"))
-        denom = tl.load(ws_ml_ptr + 2 * ws + 1, mask=head_ok, other=0.0)
-        acc = tl.load(ws_acc_ptr + ws[:, None] * HEAD_DIM + dims[None, :],
-                      mask=head_ok[:, None], other=0.0)
-        m_run, denom_run, acc_run = _merge(m_run, denom_run, acc_run, m, denom, acc)
+    SPLITS: tl.constexpr = KV_GROUP // KV_SPLIT
+    for group in range(0, pos // KV_GROUP + 1):
+        if PER_SPLIT:
+            m_grp = tl.full([HEADS], float("-inf"), tl.float32)
+            denom_grp = tl.zeros([HEADS], tl.float32)
+            acc_grp = tl.zeros([HEADS, DIMS], tl.float32)
+            for split in range(group * SPLITS, tl.minimum(group * SPLITS + SPLITS,
+                                                          pos // KV_SPLIT + 1)):
+                m, denom, acc = _partial(ws_ml_ptr, ws_acc_ptr, tok, heads, head_ok, dims,
+                                         split, stride_ws_t, stride_ws_h, HEAD_DIM)
+                m_grp, denom_grp, acc_grp = _merge(m_grp, denom_grp, acc_grp, m, denom, acc)
+        else:
+            m_grp, denom_grp, acc_grp = _partial(ws_ml_ptr, ws_acc_ptr, tok, heads, head_ok,
+                                                 dims, group, stride_ws_t, stride_ws_h, HEAD_DIM)
+        m_run, denom_run, acc_run = _merge(m_run, denom_run, acc_run, m_grp, denom_grp, acc_grp)
     out = acc_run / denom_run[:, None]
     tl.store(out_ptr + tok.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
              + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
@@ -297,12 +350,14 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, decode: bool = False,
-                    split_programs: bool | None = None) -> torch.Tensor:
+                    split_programs: bool | None = None,
+                    per_split: bool | None = None) -> torch.Tensor:
     """Causal GQA attention of q [T, Hq, D] over the paged cache -> [T, Hq, D] in q's dtype.
 
     `decode`: the caller knows that no sequence has more than one query (a decode step); a
-    sequence with more would be computed wrongly. `split_programs` picks the launch shape
-    (None: by occupancy). Neither changes a bit of the result (the decode tile: see above)."""
+    sequence with more would be computed wrongly. `split_programs` picks the launch shape and
+    `per_split` the split launch's unit, a split or a group (None: by occupancy). None of them
+    changes a bit of the result (the decode tile: see above)."""
     if q.dtype not in _SUPPORTED or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise TypeError(f"paged_attention: q and caches in one of {_SUPPORTED}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -328,36 +383,43 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         block_m, warps, stages = max(DECODE_BLOCK_M, group_pad), DECODE_NUM_WARPS, \
             min(DECODE_NUM_STAGES, NUM_STAGES)
     q_blocks = num_seqs if decode else num_tokens // (block_m // group_pad) + num_seqs
-    max_splits = triton.cdiv(block_tables.shape[1] * block_size, KV_SPLIT)
+    width = block_tables.shape[1] * block_size
+    max_splits, max_groups = triton.cdiv(width, KV_SPLIT), triton.cdiv(width, KV_GROUP)
+    def fills(programs: int) -> bool:  # at least SPLIT_PROGRAMS_BELOW programs per SM
+        sms = _num_sms(q.device.index or 0) if q.is_cuda else 1  # 1: Triton's interpreter
+        return programs >= SPLIT_PROGRAMS_BELOW * sms
+
     if split_programs is None:
-        split_programs = max_splits > 1 and \
-            q_blocks * hkv < SPLIT_PROGRAMS_BELOW * _num_sms(q.device.index or 0)
+        split_programs = max_splits > 1 and not fills(q_blocks * hkv)
+    if per_split is None:
+        per_split = split_programs and not fills(q_blocks * hkv * max_groups)
+    units = max_splits if per_split else max_groups
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     launch = pdl.options(q)
     qsl = query_start_loc.to(torch.int32)
     lens = seq_lens.to(torch.int32)
     tables = block_tables.to(torch.int32)
     if split_programs:
-        ws_ml = torch.empty(num_tokens, hq, max_splits, 2, device=q.device, dtype=torch.float32)
-        ws_acc = torch.empty(num_tokens, hq, max_splits, d, device=q.device, dtype=torch.float32)
-        grid = (q_blocks, hkv, max_splits)
+        ws_ml = torch.empty(num_tokens, hq, units, 2, device=q.device, dtype=torch.float32)
+        ws_acc = torch.empty(num_tokens, hq, units, d, device=q.device, dtype=torch.float32)
+        grid = (q_blocks, hkv, units)
     else:
         ws_ml = ws_acc = out  # unused
         grid = (q_blocks, hkv)
     _attn_kernel[grid](q, k_cache, v_cache, out, tables, qsl, lens, ws_ml, ws_acc, num_seqs,
                        q.stride(0), q.stride(1), out.stride(0), out.stride(1), tables.stride(0),
-                       k_cache.stride(1), k_cache.stride(2), hq * max_splits, max_splits,
+                       k_cache.stride(1), k_cache.stride(2), hq * units, units,
                        scale * _LOG2E, BLOCK_SIZE=block_size, HEAD_DIM=d, GROUP=group,
                        GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_N=BLOCK_N, KV_SPLIT=KV_SPLIT,
-                       SPLIT_PROGRAMS=split_programs, FLAT_SPLITS=FLAT_SPLITS, DECODE=decode,
-                       PRECISION=precision,
-                       num_warps=warps, num_stages=stages, enable_fp_fusion=False, **launch)
+                       KV_GROUP=KV_GROUP, SPLIT_PROGRAMS=split_programs, PER_SPLIT=per_split,
+                       DECODE=decode, PRECISION=precision, num_warps=warps, num_stages=stages,
+                       enable_fp_fusion=False, **launch)
     if split_programs:
         heads, dims = min(COMBINE_HEADS, hq), min(COMBINE_DIMS, d)
         grid = (num_tokens, triton.cdiv(hq, heads), d // dims)
         _combine_kernel[grid](out, qsl, lens, ws_ml, ws_acc, num_seqs, out.stride(0),
-                              out.stride(1), hq * max_splits, max_splits, HQ=hq,
+                              out.stride(1), hq * units, units, HQ=hq,
                               HEADS=triton.next_power_of_2(heads), DIMS=dims, HEAD_DIM=d,
-                              KV_SPLIT=KV_SPLIT, num_warps=NUM_WARPS,
-                              enable_fp_fusion=False, **launch)
+                              KV_SPLIT=KV_SPLIT, KV_GROUP=KV_GROUP, PER_SPLIT=per_split,
+                              num_warps=NUM_WARPS, enable_fp_fusion=False, **launch)
     return out

@@ -54,21 +54,26 @@ def test_matches_reference_both_launches(at):
         torch.testing.assert_close(fused[i], reference_output(world, i), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("kv_split", [64, 1024])
-def test_one_loop_over_splits_equals_a_loop_per_split(monkeypatch, kv_split):
-    """The fused launch's two loop shapes (FLAT_SPLITS) and the split launch: the same bits,
-    at the shipped split and at one split per 64-position tile."""
+@pytest.mark.parametrize("decode", [False, True], ids=["general", "decode"])
+def test_split_launch_by_split_or_by_group_equals_the_fused_launch(decode):
+    """The split launch by split and by group, and the fused launch's one loop over splits
+    and groups: the same bits, for contexts ending inside, on and before split and group
+    ends (the shipped KV_SPLIT and KV_GROUP)."""
     at = import_module("detgate.kernels.attention_triton")
-    monkeypatch.setattr(at, "KV_SPLIT", kv_split)
-    lens = [1500, 1, 300, 64, 65]
+    lens = [2100, 1, 300, at.KV_SPLIT, at.KV_SPLIT + 1, at.KV_GROUP, at.KV_GROUP + 1]
     world = make_world(lens, HQ, HKV, D, 16, torch.bfloat16, "cuda", seed=8)
     seqs = list(range(len(lens)))
-    flat = prefill(world, seqs, impl=_impl(at, False))
-    split = prefill(world.fresh_cache(), seqs, impl=_impl(at, True))
-    monkeypatch.setattr(at, "FLAT_SPLITS", False)
-    nested = prefill(world.fresh_cache(), seqs, impl=_impl(at, False))
-    for i in seqs:
-        assert same_bits(flat[i], nested[i]) and same_bits(flat[i], split[i]), i
+    fused = prefill(world, seqs, impl=_impl(at, False))
+    decodes = [(i, n - 1, n) for i, n in enumerate(lens)]
+    for per_split in (True, False):
+        impl = Impl(store_kv=at.store_kv, paged_attention=functools.partial(
+            at.paged_attention, split_programs=True, per_split=per_split, decode=decode))
+        if decode:
+            got = step(world, decodes, impl)
+            assert all(same_bits(got[i], fused[i][-1:]) for i in seqs), per_split
+        else:
+            got = prefill(world.fresh_cache(), seqs, impl=impl)
+            assert all(same_bits(got[i], fused[i]) for i in seqs), per_split
 
 
 def test_fp32_matches_reference_without_tf32(at):

@@ -65,11 +65,13 @@ def _interpreter_fixed_order_dot():
 
 @pytest.fixture(autouse=True)
 def _small_tiles(monkeypatch):
-    """Under the interpreter: 32-row blocks, 16-position tiles, 32-position splits."""
+    """Under the interpreter: 32-row blocks, 16-position tiles, 32-position splits in groups
+    of 64 positions."""
     if not ON_GPU:
         monkeypatch.setattr(at, "BLOCK_M", 32)
         monkeypatch.setattr(at, "BLOCK_N", 16)
         monkeypatch.setattr(at, "KV_SPLIT", 32)
+        monkeypatch.setattr(at, "KV_GROUP", 64)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -82,14 +84,39 @@ def test_matches_reference_and_launch_shapes_agree(dtype):
         torch.testing.assert_close(f, reference_output(world, i), atol=TOL[dtype], rtol=TOL[dtype])
 
 
-def test_one_loop_over_splits_equals_a_loop_per_split(monkeypatch):
-    """The fused launch's two loop shapes (FLAT_SPLITS) run the same operations per element:
-    the same bits, for queries crossing one, several or no split ends."""
-    world = make_world([100, 31, 64, 1], 4, 2, 16, 16, torch.float32, DEVICE, seed=8)
-    flat = prefill(world, [0, 1, 2, 3], impl=FUSED)
-    monkeypatch.setattr(at, "FLAT_SPLITS", False)
-    nested = prefill(world.fresh_cache(), [0, 1, 2, 3], impl=FUSED)
-    assert all(same_bits(a, b) for a, b in zip(flat, nested, strict=True))
+@pytest.mark.parametrize("decode", [False, True], ids=["general", "decode"])
+def test_split_launch_by_split_or_by_group_equals_the_fused_launch(decode):
+    """The split launch's two units (a split: the combine merges splits into groups, then
+    groups; a group: the program merges its splits) and the fused launch's one loop merge the
+    same partials in the same order: the same bits, for queries ending inside, on and before
+    split and group ends."""
+    lens = [100, 31, 64, 1, 65, 128]
+    world = make_world(lens, 4, 2, 16, 16, torch.float32, DEVICE, seed=8)
+    seqs = list(range(len(lens)))
+    fused = prefill(world, seqs, impl=FUSED)
+    for per_split in (True, False):
+        impl = Impl(store_kv=at.store_kv, paged_attention=functools.partial(
+            at.paged_attention, split_programs=True, per_split=per_split))
+        split = prefill(world.fresh_cache(), seqs, impl=impl)
+        assert all(same_bits(a, b) for a, b in zip(fused, split, strict=True)), per_split
+        if decode:
+            impl = Impl(store_kv=at.store_kv, paged_attention=functools.partial(
+                at.paged_attention, decode=True, split_programs=True, per_split=per_split))
+            batch = step(world, [(i, n - 1, n) for i, n in enumerate(lens)], impl)
+            assert all(same_bits(batch[i], fused[i][-1:]) for i in seqs), per_split
+
+
+def test_negative_control_groups_of_one_split_differ(monkeypatch):
+    """The test above can fail: the same splits grouped otherwise (each its own group) give
+    the queries that cross a split end other bits."""
+    lens = [100, 31, 64, 1, 65, 128]
+    world = make_world(lens, 4, 2, 16, 16, torch.float32, DEVICE, seed=8)
+    seqs = list(range(len(lens)))
+    grouped = prefill(world, seqs, impl=FUSED)
+    monkeypatch.setattr(at, "KV_GROUP", at.KV_SPLIT)
+    alone = prefill(world.fresh_cache(), seqs, impl=FUSED)
+    differing = [i for i in seqs if not same_bits(grouped[i], alone[i])]
+    assert differing and all(lens[i] > at.KV_SPLIT for i in differing), differing
 
 
 def test_sequence_alone_equals_sequence_among_many():
