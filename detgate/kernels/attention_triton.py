@@ -61,6 +61,11 @@ KV_GROUP = 1024  # KV positions per group of splits: a multiple of KV_SPLIT
 # SM: below it, more programs pay for the combine kernel. It runs a program per group, or per
 # split where even that many would be fewer (one short sequence). Launch shape only.
 SPLIT_PROGRAMS_BELOW = 2
+# A call that is not decode-only runs its one-query sequences (the decodes of a mixed step)
+# in a launch of their own with the decode tiles, the others in the general launch: the same
+# bits (the decode tile: see above), without 64-row tiles of which a decode fills GROUP rows.
+MIXED_DECODE_TILE = os.environ.get("DETGATE_MIXED_DECODE_TILE", "1") != "0"
+ALL, SINGLE, MULTI = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # launch subsets
 COMBINE_HEADS = 2  # heads x head-dim slice per combine program: spread the merge loops wide
 COMBINE_DIMS = 64
 _LOG2E = 1.4426950408889634
@@ -210,6 +215,17 @@ def _fold(q, q_pos, kv_lo, kv_hi, seq_len, table_ptr, k_cache_ptr, v_cache_ptr, 
 
 
 @triton.jit
+def _in_subset(q_len, SUBSET: tl.constexpr):
+    """Whether a launch over SUBSET (ALL, SINGLE or MULTI) computes a sequence of q_len
+    queries."""
+    if SUBSET == SINGLE:
+        return q_len == 1
+    elif SUBSET == MULTI:
+        return q_len != 1
+    return True
+
+
+@triton.jit
 def _attn_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, qsl_ptr, seq_lens_ptr,
                  ws_ml_ptr, ws_acc_ptr, num_seqs, stride_qt, stride_qh, stride_ot, stride_oh,
                  stride_table, stride_cache_slot, stride_cache_head, stride_ws_t, stride_ws_h,
@@ -217,7 +233,7 @@ def _attn_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, qsl_ptr, 
                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, KV_SPLIT: tl.constexpr, KV_GROUP: tl.constexpr,
                  SPLIT_PROGRAMS: tl.constexpr, PER_SPLIT: tl.constexpr, DECODE: tl.constexpr,
-                 PRECISION: tl.constexpr, PDL: tl.constexpr):
+                 SUBSET: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     pdl.enter(PDL)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     pid = tl.program_id(0)
@@ -227,7 +243,7 @@ def _attn_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, qsl_ptr, 
     q_begin = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_begin
     q_first = 0 if DECODE else (pid - (q_begin // BLOCK_Q + seq)) * BLOCK_Q  # block's 1st query
-    if q_first >= q_len:
+    if q_first >= q_len or not _in_subset(q_len, SUBSET):
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     offs_m = tl.arange(0, BLOCK_M)
@@ -291,7 +307,7 @@ def _combine_kernel(out_ptr, qsl_ptr, seq_lens_ptr, ws_ml_ptr, ws_acc_ptr, num_s
                     stride_ot, stride_oh, stride_ws_t, stride_ws_h, HQ: tl.constexpr,
                     HEADS: tl.constexpr, DIMS: tl.constexpr, HEAD_DIM: tl.constexpr,
                     KV_SPLIT: tl.constexpr, KV_GROUP: tl.constexpr, PER_SPLIT: tl.constexpr,
-                    PDL: tl.constexpr):
+                    SUBSET: tl.constexpr, PDL: tl.constexpr):
     """One program per (token, HEADS heads, DIMS of the head dim): merges the token's groups
     0..pos // KV_GROUP in order into the run, PER_SPLIT each group first from its splits in
     order (the fused launch's `_fold`, step for step)."""
@@ -299,6 +315,8 @@ def _combine_kernel(out_ptr, qsl_ptr, seq_lens_ptr, ws_ml_ptr, ws_acc_ptr, num_s
     tok = tl.program_id(0)
     seq = _find_seq(qsl_ptr, tok, num_seqs, 1, False)
     q_end = tl.load(qsl_ptr + seq + 1)
+    if not _in_subset(q_end - tl.load(qsl_ptr + seq), SUBSET):
+        return
     pos = tl.load(seq_lens_ptr + seq) - q_end + tok
     heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     head_ok = heads < HQ
@@ -350,14 +368,16 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, decode: bool = False,
-                    split_programs: bool | None = None,
-                    per_split: bool | None = None) -> torch.Tensor:
+                    split_programs: bool | None = None, per_split: bool | None = None,
+                    decode_tile_singles: bool | None = None) -> torch.Tensor:
     """Causal GQA attention of q [T, Hq, D] over the paged cache -> [T, Hq, D] in q's dtype.
 
     `decode`: the caller knows that no sequence has more than one query (a decode step); a
     sequence with more would be computed wrongly. `split_programs` picks the launch shape and
-    `per_split` the split launch's unit, a split or a group (None: by occupancy). None of them
-    changes a bit of the result (the decode tile: see above)."""
+    `per_split` the split launch's unit, a split or a group (None: by occupancy);
+    `decode_tile_singles` whether a call that is not decode-only runs its one-query sequences
+    in a decode launch of their own (None: MIXED_DECODE_TILE). None of them changes a bit of
+    the result (the decode tile: see above)."""
     if q.dtype not in _SUPPORTED or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise TypeError(f"paged_attention: q and caches in one of {_SUPPORTED}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -365,26 +385,46 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if q.stride(2) != 1:  # rows may be strided (a view of a fused qkv), elements may not
         q = q.contiguous()
     num_tokens, hq, d = q.shape
+    group = hq // k_cache.shape[2]
+    if triton.next_power_of_2(group) > BLOCK_M or d & (d - 1) or d < 16:
+        raise ValueError(f"paged_attention: GQA group {group} or head dim {d} not supported")
+    out = torch.empty_like(q)
+    if num_tokens == 0:
+        return out
+    if decode and num_tokens > seq_lens.shape[0]:
+        raise ValueError(f"paged_attention: decode with {num_tokens} queries for "
+                         f"{seq_lens.shape[0]} sequences")
+    if decode_tile_singles is None:
+        decode_tile_singles = MIXED_DECODE_TILE
+    args = (q, k_cache, v_cache, out, block_tables.to(torch.int32),
+            query_start_loc.to(torch.int32), seq_lens.to(torch.int32), scale)
+    if decode or not (DECODE_TILE and decode_tile_singles):
+        _launch(*args, decode, ALL.value, split_programs, per_split)
+    else:
+        _launch(*args, True, SINGLE.value, None, None)
+        _launch(*args, False, MULTI.value, split_programs, per_split)
+    return out
+
+
+def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+            tables: torch.Tensor, qsl: torch.Tensor, lens: torch.Tensor, scale: float,
+            decode: bool, subset: int, split_programs: bool | None,
+            per_split: bool | None) -> None:
+    """One launch (and its combine) over the sequences of `subset`, into out."""
+    num_tokens, hq, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
     group = hq // hkv
     group_pad = triton.next_power_of_2(group)
-    if group_pad > BLOCK_M or d & (d - 1) or d < 16:
-        raise ValueError(f"paged_attention: GQA group {group} or head dim {d} not supported")
-    out = torch.empty_like(q)
-    num_seqs = seq_lens.shape[0]
-    if num_tokens == 0:
-        return out
-    if decode and num_tokens > num_seqs:
-        raise ValueError(f"paged_attention: decode with {num_tokens} queries for {num_seqs} "
-                         "sequences")
+    num_seqs = lens.shape[0]
     block_m, warps, stages = BLOCK_M, NUM_WARPS, NUM_STAGES
     if decode and DECODE_TILE:
         # No deeper a pipeline than the configuration's own (its shared memory with BLOCK_N).
         block_m, warps, stages = max(DECODE_BLOCK_M, group_pad), DECODE_NUM_WARPS, \
             min(DECODE_NUM_STAGES, NUM_STAGES)
     q_blocks = num_seqs if decode else num_tokens // (block_m // group_pad) + num_seqs
-    width = block_tables.shape[1] * block_size
+    width = tables.shape[1] * block_size
     max_splits, max_groups = triton.cdiv(width, KV_SPLIT), triton.cdiv(width, KV_GROUP)
+
     def fills(programs: int) -> bool:  # at least SPLIT_PROGRAMS_BELOW programs per SM
         sms = _num_sms(q.device.index or 0) if q.is_cuda else 1  # 1: Triton's interpreter
         return programs >= SPLIT_PROGRAMS_BELOW * sms
@@ -396,9 +436,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     units = max_splits if per_split else max_groups
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     launch = pdl.options(q)
-    qsl = query_start_loc.to(torch.int32)
-    lens = seq_lens.to(torch.int32)
-    tables = block_tables.to(torch.int32)
     if split_programs:
         ws_ml = torch.empty(num_tokens, hq, units, 2, device=q.device, dtype=torch.float32)
         ws_acc = torch.empty(num_tokens, hq, units, d, device=q.device, dtype=torch.float32)
@@ -412,8 +449,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                        scale * _LOG2E, BLOCK_SIZE=block_size, HEAD_DIM=d, GROUP=group,
                        GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_N=BLOCK_N, KV_SPLIT=KV_SPLIT,
                        KV_GROUP=KV_GROUP, SPLIT_PROGRAMS=split_programs, PER_SPLIT=per_split,
-                       DECODE=decode, PRECISION=precision, num_warps=warps, num_stages=stages,
-                       enable_fp_fusion=False, **launch)
+                       DECODE=decode, SUBSET=subset, PRECISION=precision, num_warps=warps,
+                       num_stages=stages, enable_fp_fusion=False, **launch)
     if split_programs:
         heads, dims = min(COMBINE_HEADS, hq), min(COMBINE_DIMS, d)
         grid = (num_tokens, triton.cdiv(hq, heads), d // dims)
@@ -421,5 +458,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                               out.stride(1), hq * units, units, HQ=hq,
                               HEADS=triton.next_power_of_2(heads), DIMS=dims, HEAD_DIM=d,
                               KV_SPLIT=KV_SPLIT, KV_GROUP=KV_GROUP, PER_SPLIT=per_split,
-                              num_warps=NUM_WARPS, enable_fp_fusion=False, **launch)
-    return out
+                              SUBSET=subset, num_warps=NUM_WARPS, enable_fp_fusion=False,
+                              **launch)

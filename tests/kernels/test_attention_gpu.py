@@ -39,9 +39,11 @@ def at(request, monkeypatch):
 
 
 def _impl(at, split_programs: bool | None) -> Impl:
+    """The general launch for every sequence (one-query ones included), in that shape."""
     return Impl(store_kv=at.store_kv,
                 paged_attention=functools.partial(at.paged_attention,
-                                                  split_programs=split_programs))
+                                                  split_programs=split_programs,
+                                                  decode_tile_singles=False))
 
 
 def test_matches_reference_both_launches(at):
@@ -76,6 +78,24 @@ def test_split_launch_by_split_or_by_group_equals_the_fused_launch(decode):
             assert all(same_bits(got[i], fused[i]) for i in seqs), per_split
 
 
+@pytest.mark.parametrize("split_programs", [False, None], ids=["fused", "auto"])
+def test_mixed_step_with_decodes_in_their_own_launch_equals_the_general_launch(split_programs):
+    """A mixed step (prompt chunks and 64 decodes): the decodes in a decode launch of their
+    own, the rest in the general launch; every row has the general launch's bits."""
+    at = import_module("detgate.kernels.attention_triton")
+    gen = torch.Generator().manual_seed(9)
+    lens = torch.randint(1, 3000, (64,), generator=gen).tolist() + [700, 1500, 40]
+    world = make_world(lens, HQ, HKV, D, 16, torch.bfloat16, "cuda", seed=9)
+    prefill(world, [*range(64), 65], impl=_impl(at, None))  # the K/V the step reads
+    chunks = [(i, n - 1, n) for i, n in enumerate(lens[:64])] + \
+        [(64, 0, 700), (65, 1000, 1500), (66, 0, 40)]
+    general = step(world, chunks, _impl(at, split_programs))
+    routed = step(world, chunks, Impl(store_kv=at.store_kv, paged_attention=functools.partial(
+        at.paged_attention, split_programs=split_programs, decode_tile_singles=True)))
+    for i in range(len(chunks)):
+        assert same_bits(routed[i], general[i]), i
+
+
 def test_fp32_matches_reference_without_tf32(at):
     world = make_world([200, 77], HQ, HKV, D, 32, torch.float32, "cuda", seed=2)
     outs = prefill(world, [0, 1], impl=_impl(at, None))
@@ -95,7 +115,8 @@ def test_decode_at_every_position_equals_prefill(at):
     lens = torch.arange(1, n + 1, dtype=torch.int32, device="cuda")
     for split in (False, True):
         dec = at.paged_attention(world.q[0], world.k_cache, world.v_cache, table.contiguous(),
-                                 qsl, lens, D**-0.5, split_programs=split)
+                                 qsl, lens, D**-0.5, split_programs=split,
+                                 decode_tile_singles=False)
         assert same_bits(dec, full), f"split={split}"
         dec = at.paged_attention(world.q[0], world.k_cache, world.v_cache, table.contiguous(),
                                  qsl, lens, D**-0.5, decode=True, split_programs=split)

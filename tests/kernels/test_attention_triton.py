@@ -40,9 +40,11 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
 def _impl(split_programs: bool | None) -> Impl:
+    """The general launch for every sequence (one-query ones included), in that shape."""
     return Impl(store_kv=at.store_kv,
                 paged_attention=functools.partial(at.paged_attention,
-                                                  split_programs=split_programs))
+                                                  split_programs=split_programs,
+                                                  decode_tile_singles=False))
 
 
 FUSED, SPLIT = _impl(False), _impl(True)
@@ -117,6 +119,23 @@ def test_negative_control_groups_of_one_split_differ(monkeypatch):
     alone = prefill(world.fresh_cache(), seqs, impl=FUSED)
     differing = [i for i in seqs if not same_bits(grouped[i], alone[i])]
     assert differing and all(lens[i] > at.KV_SPLIT for i in differing), differing
+
+
+@pytest.mark.parametrize("split_programs", [False, True, None], ids=["fused", "split", "auto"])
+def test_mixed_step_with_decodes_in_their_own_launch_equals_the_general_launch(split_programs):
+    """A step mixing prompt chunks and decodes: its one-query sequences run in a decode
+    launch of their own (decode tiles), the rest in the general launch; every row has the
+    bits of the general launch over all of them."""
+    lens = [45, 3, 70, 17, 1, 64, 90]
+    world = make_world(lens, 4, 2, 16, 16, torch.float32, DEVICE, seed=9)
+    prefill(world, [0, 1, 2, 3, 4, 5], impl=FUSED)
+    chunks = [(0, 44, 45), (1, 2, 3), (2, 50, 70), (3, 16, 17), (4, 0, 1), (5, 63, 64),
+              (6, 0, 33)]
+    general = step(world, chunks, _impl(split_programs))
+    routed = step(world, chunks, Impl(store_kv=at.store_kv, paged_attention=functools.partial(
+        at.paged_attention, split_programs=split_programs, decode_tile_singles=True)))
+    for i in range(len(chunks)):
+        assert same_bits(routed[i], general[i]), i
 
 
 def test_sequence_alone_equals_sequence_among_many():
