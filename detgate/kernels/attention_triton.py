@@ -215,17 +215,6 @@ def _fold(q, q_pos, kv_lo, kv_hi, seq_len, table_ptr, k_cache_ptr, v_cache_ptr, 
 
 
 @triton.jit
-def _in_subset(q_len, SUBSET: tl.constexpr):
-    """Whether a launch over SUBSET (ALL, SINGLE or MULTI) computes a sequence of q_len
-    queries."""
-    if SUBSET == SINGLE:
-        return q_len == 1
-    elif SUBSET == MULTI:
-        return q_len != 1
-    return True
-
-
-@triton.jit
 def _attn_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, qsl_ptr, seq_lens_ptr,
                  ws_ml_ptr, ws_acc_ptr, num_seqs, stride_qt, stride_qh, stride_ot, stride_oh,
                  stride_table, stride_cache_slot, stride_cache_head, stride_ws_t, stride_ws_h,
@@ -243,8 +232,11 @@ def _attn_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, qsl_ptr, 
     q_begin = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_begin
     q_first = 0 if DECODE else (pid - (q_begin // BLOCK_Q + seq)) * BLOCK_Q  # block's 1st query
-    if q_first >= q_len or not _in_subset(q_len, SUBSET):
+    if q_first >= q_len:
         return
+    if SUBSET != ALL:  # noqa: SIM102 (a compile-time branch around a run-time one)
+        if (q_len == 1) != (SUBSET == SINGLE):
+            return
     seq_len = tl.load(seq_lens_ptr + seq)
     offs_m = tl.arange(0, BLOCK_M)
     q_idx = q_first + offs_m // GROUP_PAD
@@ -315,8 +307,9 @@ def _combine_kernel(out_ptr, qsl_ptr, seq_lens_ptr, ws_ml_ptr, ws_acc_ptr, num_s
     tok = tl.program_id(0)
     seq = _find_seq(qsl_ptr, tok, num_seqs, 1, False)
     q_end = tl.load(qsl_ptr + seq + 1)
-    if not _in_subset(q_end - tl.load(qsl_ptr + seq), SUBSET):
-        return
+    if SUBSET != ALL:  # noqa: SIM102 (a compile-time branch around a run-time one)
+        if (q_end - tl.load(qsl_ptr + seq) == 1) != (SUBSET == SINGLE):
+            return
     pos = tl.load(seq_lens_ptr + seq) - q_end + tok
     heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     head_ok = heads < HQ
