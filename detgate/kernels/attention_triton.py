@@ -109,6 +109,13 @@ def _find_seq(qsl_ptr, target, num_seqs, BLOCK_Q: tl.constexpr, PER_BLOCK: tl.co
 
 
 @triton.jit
+def _empty(ROWS: tl.constexpr, COLS: tl.constexpr):
+    """The online softmax's empty state (m, denom, acc) for ROWS rows of COLS values."""
+    return (tl.full([ROWS], float("-inf"), tl.float32), tl.zeros([ROWS], tl.float32),
+            tl.zeros([ROWS, COLS], tl.float32))
+
+
+@triton.jit
 def _tile_step(m, denom, acc, q, q_pos, n0, seq_len, table_ptr, k_cache_ptr, v_cache_ptr,
                kv_head, stride_cache_slot, stride_cache_head, qk_scale,
                BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -149,9 +156,7 @@ def _split_partial(q, q_pos, kv_lo, kv_hi, seq_len, table_ptr, k_cache_ptr, v_ca
     """Online softmax of rows q [BLOCK_M, D] over positions [kv_lo, kv_hi), tile by tile.
 
     Returns (m, denom, acc): running max (log2 domain), sum and unnormalised sum of p * v."""
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    denom = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    m, denom, acc = _empty(BLOCK_M, HEAD_DIM)
     for n0 in range(kv_lo, kv_hi, BLOCK_N):
         m, denom, acc = _tile_step(m, denom, acc, q, q_pos, n0, seq_len, table_ptr, k_cache_ptr,
                                    v_cache_ptr, kv_head, stride_cache_slot, stride_cache_head,
@@ -183,15 +188,9 @@ def _fold(q, q_pos, kv_lo, kv_hi, seq_len, table_ptr, k_cache_ptr, v_cache_ptr, 
     pipeline's loads run ahead across split and group ends: a split is merged into its group
     once its last tile is folded and, GROUPS, a group into the run once its last split is.
     Returns the run (GROUPS) or the one group's merged splits (not GROUPS)."""
-    m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    denom_run = tl.zeros([BLOCK_M], tl.float32)
-    acc_run = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    m_grp = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    denom_grp = tl.zeros([BLOCK_M], tl.float32)
-    acc_grp = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    denom = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    m_run, denom_run, acc_run = _empty(BLOCK_M, HEAD_DIM)
+    m_grp, denom_grp, acc_grp = _empty(BLOCK_M, HEAD_DIM)
+    m, denom, acc = _empty(BLOCK_M, HEAD_DIM)
     for n0 in range(kv_lo, kv_hi, BLOCK_N):
         m, denom, acc = _tile_step(m, denom, acc, q, q_pos, n0, seq_len, table_ptr, k_cache_ptr,
                                    v_cache_ptr, kv_head, stride_cache_slot, stride_cache_head,
@@ -199,16 +198,12 @@ def _fold(q, q_pos, kv_lo, kv_hi, seq_len, table_ptr, k_cache_ptr, v_cache_ptr, 
         last = n0 + BLOCK_N >= kv_hi
         if ((n0 + BLOCK_N) % KV_SPLIT == 0) | last:
             m_grp, denom_grp, acc_grp = _merge(m_grp, denom_grp, acc_grp, m, denom, acc)
-            m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            denom = tl.zeros([BLOCK_M], tl.float32)
-            acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+            m, denom, acc = _empty(BLOCK_M, HEAD_DIM)
         if GROUPS:  # noqa: SIM102 (a compile-time branch around a run-time one)
             if ((n0 + BLOCK_N) % KV_GROUP == 0) | last:
                 m_run, denom_run, acc_run = _merge(m_run, denom_run, acc_run, m_grp, denom_grp,
                                                    acc_grp)
-                m_grp = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                denom_grp = tl.zeros([BLOCK_M], tl.float32)
-                acc_grp = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+                m_grp, denom_grp, acc_grp = _empty(BLOCK_M, HEAD_DIM)
     if GROUPS:
         return m_run, denom_run, acc_run
     return m_grp, denom_grp, acc_grp
@@ -314,15 +309,11 @@ def _combine_kernel(out_ptr, qsl_ptr, seq_lens_ptr, ws_ml_ptr, ws_acc_ptr, num_s
     heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     head_ok = heads < HQ
     dims = tl.program_id(2) * DIMS + tl.arange(0, DIMS)
-    m_run = tl.full([HEADS], float("-inf"), tl.float32)
-    denom_run = tl.zeros([HEADS], tl.float32)
-    acc_run = tl.zeros([HEADS, DIMS], tl.float32)
+    m_run, denom_run, acc_run = _empty(HEADS, DIMS)
     SPLITS: tl.constexpr = KV_GROUP // KV_SPLIT
     for group in range(0, pos // KV_GROUP + 1):
         if PER_SPLIT:
-            m_grp = tl.full([HEADS], float("-inf"), tl.float32)
-            denom_grp = tl.zeros([HEADS], tl.float32)
-            acc_grp = tl.zeros([HEADS, DIMS], tl.float32)
+            m_grp, denom_grp, acc_grp = _empty(HEADS, DIMS)
             for split in range(group * SPLITS, tl.minimum(group * SPLITS + SPLITS,
                                                           pos // KV_SPLIT + 1)):
                 m, denom, acc = _partial(ws_ml_ptr, ws_acc_ptr, tok, heads, head_ok, dims,
