@@ -51,6 +51,16 @@ def _wait(condition, what: str, timeout: float = 30.0,
         time.sleep(0.05)
 
 
+def _free_ports(n: int) -> list[int]:
+    """n distinct free ports. Each free_port() is released as soon as it is found, so two
+    calls may return the same one; a cluster node given another node's bus port cannot bind."""
+    ports: list[int] = []
+    while len(ports) < n:
+        if (port := free_port()) not in ports:
+            ports.append(port)
+    return ports
+
+
 @dataclass
 class Server:
     """One redis-server (or redis-sentinel) process."""
@@ -66,8 +76,15 @@ class Server:
         self.proc = subprocess.Popen(["redis-server", *self.args], cwd=self.folder,
                                      stdout=log, stderr=subprocess.STDOUT)
         log.close()
-        _wait(lambda: self.client().ping(), f"redis-server on {self.port}")
+        _wait(self._answers, f"redis-server on {self.port}")
         return self
+
+    def _answers(self) -> bool:
+        if self.proc.poll() is not None:  # no use waiting: say why it ended
+            tail = (self.folder / "server.log").read_text(errors="replace")[-1500:]
+            raise RuntimeError(f"redis-server on {self.port} exited "
+                               f"({self.proc.returncode}):\n{tail}")
+        return bool(self.client().ping())
 
     def client(self, **kwargs) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2, **kwargs)
@@ -167,8 +184,10 @@ def start_cluster(folder: Path, masters: int = 3, node_timeout_ms: int = 2000) -
     """`masters` masters and as many replicas; a replica is promoted `node_timeout_ms` (and an
     election) after its master stops answering."""
     servers = []
+    ports = _free_ports(4 * masters)
     for i in range(2 * masters):
-        port, bus = free_port(), free_port()  # the bus port apart: port + 10000 may not exist
+        # The bus port apart (port + 10000 may not exist), and none shared with another node.
+        port, bus = ports[2 * i], ports[2 * i + 1]
         servers.append(Server(port, folder / f"node-{i}", [
             *_base_args(port), "--cluster-enabled", "yes", "--cluster-port", str(bus),
             "--cluster-config-file", "nodes.conf",
@@ -253,10 +272,9 @@ def start_sentinel(folder: Path, *, replicas: int = 2, sentinels: int = 3,
     sentinels and so the clients (a proxy in front of it, to hold its replication stream
     back); its own by default. Once the master fails, the sentinels name a replica at its own
     address."""
-    master_port = free_port()
+    master_port, *replica_ports = _free_ports(1 + replicas)
     source = through(master_port) if through else master_port
     master = Server(master_port, folder / "master", _base_args(master_port))
-    replica_ports = [free_port() for _ in range(replicas)]
     setup = SentinelSetup(master, [Server(port, folder / f"replica-{i}", [
         *_base_args(port), "--replicaof", "127.0.0.1", str(source),
         # A replica tells the master (and so the sentinels) where it really listens.
