@@ -36,8 +36,9 @@ DECODE_SHAPES = [(1, 4096), (16, 4096), (64, 4096), (128, 4096), (32, 8192), (25
                  (4, 65536), (1, 256), (64, 256), (256, 256)]
 PREFILL_SHAPES = [(1, 1024), (4, 2048), (1, 4096), (1, 8192)]
 BLOCK_SIZE = 16
-# KV split sizes timed beside the shipped one (kernels/attention_triton.py KV_SPLIT): smaller
-# splits give one long sequence more programs, and cost every query a merge per split.
+# KV split sizes timed beside the shipped one (kernels/attention_triton.py KV_SPLIT, each a
+# divisor of KV_GROUP): larger splits give a short sequence fewer programs and every query
+# fewer merges.
 OTHER_KV_SPLITS = (1024, 256, 128)
 
 

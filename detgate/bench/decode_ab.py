@@ -163,8 +163,9 @@ def main() -> int:
     split_below: dict[str, int] = {}  # variant -> SPLIT_PROGRAMS_BELOW, if not shipped's
     for value in filter(None, args.kv_split.split(",")):
         size, _, below = value.partition("/")
-        if int(size) % SHIPPED[1]:
-            p.error(f"--kv-split: {size} is not a multiple of BLOCK_N ({SHIPPED[1]})")
+        if int(size) % SHIPPED[1] or attention_triton.KV_GROUP % int(size):
+            p.error(f"--kv-split: {size} is not a multiple of BLOCK_N ({SHIPPED[1]}) and a "
+                    f"divisor of KV_GROUP ({attention_triton.KV_GROUP})")
         name = f"decode_kv{int(size)}" + (f"_below{int(below)}" if below else "")
         variants[name], kv_split[name] = VARIANTS["decode"], int(size)
         if below:

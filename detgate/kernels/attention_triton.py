@@ -333,6 +333,12 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _fills(programs: int, device: torch.device) -> bool:
+    """At least SPLIT_PROGRAMS_BELOW programs per SM (Triton's interpreter: one SM)."""
+    sms = _num_sms(device.index or 0) if device.type == "cuda" else 1
+    return programs >= SPLIT_PROGRAMS_BELOW * sms
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Write k, v [T, Hkv, D] into the caches at slot_mapping [T]; negative slots skipped."""
@@ -408,15 +414,10 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: 
     q_blocks = num_seqs if decode else num_tokens // (block_m // group_pad) + num_seqs
     width = tables.shape[1] * block_size
     max_splits, max_groups = triton.cdiv(width, KV_SPLIT), triton.cdiv(width, KV_GROUP)
-
-    def fills(programs: int) -> bool:  # at least SPLIT_PROGRAMS_BELOW programs per SM
-        sms = _num_sms(q.device.index or 0) if q.is_cuda else 1  # 1: Triton's interpreter
-        return programs >= SPLIT_PROGRAMS_BELOW * sms
-
     if split_programs is None:
-        split_programs = max_splits > 1 and not fills(q_blocks * hkv)
+        split_programs = max_splits > 1 and not _fills(q_blocks * hkv, q.device)
     if per_split is None:
-        per_split = split_programs and not fills(q_blocks * hkv * max_groups)
+        per_split = split_programs and not _fills(q_blocks * hkv * max_groups, q.device)
     units = max_splits if per_split else max_groups
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     launch = pdl.options(q)

@@ -12,8 +12,8 @@ weights, dtype and device), whatever either batch holds:
   pointwise or a gather.
 - Attention: a query at position p reads its own sequence's keys 0..p in increasing position
   through the block table, in an order set by (head dim, p + 1) on the CPU and by fixed
-  KV_GROUP / KV_SPLIT / BLOCK_N tiles on CUDA, never by the other queries or sequences, by decode vs
-  prefill (on CUDA a decode step's 16-row tiles give the bits of prefill's 64-row ones:
+  KV_GROUP / KV_SPLIT / BLOCK_N tiles on CUDA, never by the other queries or sequences, by
+  decode vs prefill (on CUDA a decode step's 16-row tiles give the bits of prefill's 64-row ones:
   kernels/attention_triton.py says why and how that is checked), by the prompt's chunking or
   by the cache's block size (kernels/attention.py). The
   trainer stores its whole batch in a cache of its own (train/batch.py) and runs the same
