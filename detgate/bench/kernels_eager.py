@@ -17,7 +17,8 @@ model, in one run.
   alternating rounds (host time drifts between runs), and whether row 0 is bit-identical
   across batch sizes (with the mode it must be; without, the control).
 - profile (--profile): where the host time of a batch-1 forward goes, with and without the
-  mode: torch.profiler's ops by self CPU time, and cProfile's Python functions by own time.
+  mode: torch.profiler's ops by self CPU time, and cProfile's Python functions by own time;
+  and where a batch-8 forward's device time goes: kernels by self device time.
 """
 
 from __future__ import annotations
@@ -149,14 +150,37 @@ def _host_profile(model, ids: torch.Tensor, forwards: int = 20) -> dict[str, str
     return {"aten_ops": ops, "python": text.getvalue()}
 
 
+def _device_profile(model, ids: torch.Tensor, forwards: int = 10) -> dict:
+    """Where a forward's device time goes: kernels by self device time (torch.profiler) over
+    `forwards` forwards, and the mean device milliseconds per forward."""
+    model(ids)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(forwards):
+            model(ids)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    # Kernels only: an op's own row repeats the device time of the kernels it launched.
+    device_us = sum(e.self_device_time_total for e in events
+                    if e.device_type == torch.autograd.DeviceType.CUDA)
+    return {"device_ms_per_forward": device_us / forwards / 1e3,
+            "kernels": events.table(sort_by="self_device_time_total", row_limit=25)}
+
+
 def profile_rows(model, ids: torch.Tensor) -> dict:
-    """Batch-1 host profiles without and in the mode."""
-    out = {"without_mode": _host_profile(model, ids[:1])}
+    """Batch-1 host profiles and batch-8 device profiles, without and in the mode."""
+    out = {"without_mode": _host_profile(model, ids[:1]),
+           "device_batch8_without_mode": _device_profile(model, ids[:8])}
     with kernels.set_batch_invariant_mode():
         out["in_mode"] = _host_profile(model, ids[:1])
-    for name, tables in out.items():
+        out["device_batch8_in_mode"] = _device_profile(model, ids[:8])
+    for name in ("without_mode", "in_mode"):
+        tables = out[name]
         print(f"--- host profile, batch 1, {name}\n{tables['aten_ops']}\n{tables['python']}",
               flush=True)
+    for name in ("device_batch8_without_mode", "device_batch8_in_mode"):
+        print(f"--- {name}: {out[name]['device_ms_per_forward']:.3f} ms of device time per "
+              f"forward\n{out[name]['kernels']}", flush=True)
     return out
 
 
