@@ -17,8 +17,9 @@ model, in one run.
   alternating rounds (host time drifts between runs), and whether row 0 is bit-identical
   across batch sizes (with the mode it must be; without, the control).
 - profile (--profile): where the host time of a batch-1 forward goes, with and without the
-  mode: torch.profiler's ops by self CPU time, and cProfile's Python functions by own time;
-  and where a batch-8 forward's device time goes: kernels by self device time.
+  mode: torch.profiler's ops by self CPU time, and cProfile's Python functions by own time
+  (batch 1 and 8); and where a batch-8 forward's device time goes: kernels by self device
+  time.
 """
 
 from __future__ import annotations
@@ -168,16 +169,19 @@ def _device_profile(model, ids: torch.Tensor, forwards: int = 10) -> dict:
 
 
 def profile_rows(model, ids: torch.Tensor) -> dict:
-    """Batch-1 host profiles and batch-8 device profiles, without and in the mode."""
+    """Host profiles at batch 1 and 8 and device profiles at batch 8, without and in the
+    mode."""
     out = {"without_mode": _host_profile(model, ids[:1]),
+           "batch8_without_mode": _host_profile(model, ids[:8]),
            "device_batch8_without_mode": _device_profile(model, ids[:8])}
     with kernels.set_batch_invariant_mode():
         out["in_mode"] = _host_profile(model, ids[:1])
+        out["batch8_in_mode"] = _host_profile(model, ids[:8])
         out["device_batch8_in_mode"] = _device_profile(model, ids[:8])
-    for name in ("without_mode", "in_mode"):
+    for name in ("without_mode", "in_mode", "batch8_without_mode", "batch8_in_mode"):
         tables = out[name]
-        print(f"--- host profile, batch 1, {name}\n{tables['aten_ops']}\n{tables['python']}",
-              flush=True)
+        print(f"--- host profile, batch {8 if 'batch8' in name else 1}, {name}\n"
+              f"{tables['aten_ops']}\n{tables['python']}", flush=True)
     for name in ("device_batch8_without_mode", "device_batch8_in_mode"):
         print(f"--- {name}: {out[name]['device_ms_per_forward']:.3f} ms of device time per "
               f"forward\n{out[name]['kernels']}", flush=True)
