@@ -171,20 +171,17 @@ def _device_profile(model, ids: torch.Tensor, forwards: int = 10) -> dict:
 def profile_rows(model, ids: torch.Tensor) -> dict:
     """Host profiles at batch 1 and 8 and device profiles at batch 8, without and in the
     mode."""
-    out = {"without_mode": _host_profile(model, ids[:1]),
-           "batch8_without_mode": _host_profile(model, ids[:8]),
-           "device_batch8_without_mode": _device_profile(model, ids[:8])}
-    with kernels.set_batch_invariant_mode():
-        out["in_mode"] = _host_profile(model, ids[:1])
-        out["batch8_in_mode"] = _host_profile(model, ids[:8])
-        out["device_batch8_in_mode"] = _device_profile(model, ids[:8])
-    for name in ("without_mode", "in_mode", "batch8_without_mode", "batch8_in_mode"):
-        tables = out[name]
-        print(f"--- host profile, batch {8 if 'batch8' in name else 1}, {name}\n"
-              f"{tables['aten_ops']}\n{tables['python']}", flush=True)
-    for name in ("device_batch8_without_mode", "device_batch8_in_mode"):
-        print(f"--- {name}: {out[name]['device_ms_per_forward']:.3f} ms of device time per "
-              f"forward\n{out[name]['kernels']}", flush=True)
+    out = {}
+    for in_mode in (False, True):
+        mode = "in_mode" if in_mode else "without_mode"
+        with kernels.set_batch_invariant_mode(in_mode):  # enabled=False: a no-op
+            for batch, key in ((1, mode), (8, f"batch8_{mode}")):
+                tables = out[key] = _host_profile(model, ids[:batch])
+                print(f"--- host profile, batch {batch}, {mode}\n{tables['aten_ops']}\n"
+                      f"{tables['python']}", flush=True)
+            device = out[f"device_batch8_{mode}"] = _device_profile(model, ids[:8])
+        print(f"--- device profile, batch 8, {mode}: {device['device_ms_per_forward']:.3f} ms "
+              f"of device time per forward\n{device['kernels']}", flush=True)
     return out
 
 
