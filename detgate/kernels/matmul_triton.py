@@ -27,7 +27,6 @@ instead, for a row count whose bits this process found equal to this kernel's
 from __future__ import annotations
 
 import functools
-import time
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +35,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from detgate.kernels import cublaslt, pdl
+from detgate.kernels.launch_timing import launch_costs
 from detgate.kernels.triton_launch import Launcher, Unsupported, raw_stream
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
@@ -598,10 +598,6 @@ _UNTIMED = object()  # _Plan.eager_gemm before its first host-bound call
 # (N, K, dtype, device, M) -> whether a host-bound call takes cuBLASLt there: timed once per
 # shape, not per weight (a model has a few shapes and many weights of each).
 _EAGER_CUBLASLT: dict[tuple, bool] = {}
-EAGER_TIMING_CALLS = 10  # calls of each launch per timing, three timings, the fastest kept
-# GPU cycles of sleep queued ahead of the timed calls (about half a millisecond): the host
-# enqueues them all while the device is still asleep, so the events see device time alone.
-_SLEEP_CYCLES = 1_000_000
 
 
 def _weight_for(key: tuple, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
@@ -633,25 +629,6 @@ def _launch_triton(plan: _Plan, weight: _Weight, a: torch.Tensor) -> torch.Tenso
     return c
 
 
-def _launch_costs(call) -> tuple[float, float]:
-    """(host us, device us) per call of `call`, the fastest of three timings of
-    EAGER_TIMING_CALLS calls each."""
-    host, device = [], []
-    for _ in range(3):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(_SLEEP_CYCLES)
-        start.record()
-        t0 = time.perf_counter()
-        for _ in range(EAGER_TIMING_CALLS):
-            call()
-        host.append(1e6 * (time.perf_counter() - t0) / EAGER_TIMING_CALLS)
-        end.record()
-        end.synchronize()
-        device.append(1e3 * start.elapsed_time(end) / EAGER_TIMING_CALLS)
-    return min(host), min(device)
-
-
 def _eager_choice(plan: _Plan, weight: _Weight, a: torch.Tensor) -> cublaslt.Gemm | None:
     """What a host-bound call at this plan's M runs: plan.gemm (cuBLASLt) or None (Triton).
 
@@ -672,8 +649,8 @@ def _eager_choice(plan: _Plan, weight: _Weight, a: torch.Tensor) -> cublaslt.Gem
         for _ in range(2):  # warm both (allocator, caches)
             gemm(a, stream)
             _launch_triton(plan, weight, a)
-        lt_host, lt_device = _launch_costs(lambda: gemm(a, stream))
-        tr_host, tr_device = _launch_costs(lambda: _launch_triton(plan, weight, a))
+        lt_host, lt_device = launch_costs(lambda: gemm(a, stream))
+        tr_host, tr_device = launch_costs(lambda: _launch_triton(plan, weight, a))
         keep = _EAGER_CUBLASLT[key] = tr_device - lt_device > lt_host - tr_host
     plan.eager_gemm = plan.gemm if keep else None
     return plan.eager_gemm
