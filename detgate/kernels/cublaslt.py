@@ -24,15 +24,8 @@ CUDA graph is being captured before the check could run, or where the check's op
 take more than VERIFY_MAX_BYTES, the Triton kernel runs. Both paths give a row the same bits,
 so which one a call takes never changes an answer.
 
-Which of those algorithms serves: up to AUTOTUNE_MAX_ROWS rows, the fastest on the device
-among the heuristic's candidates, each timed once on this process's GPU (`_fastest`; the
-heuristic's first choice ran up to 1.2x slower there: o_proj 19.0 against 15.7 us at 256 rows,
-an H100); above, the heuristic's first (within 2% of the fastest at 512-1,024 rows). The
-check above runs on the algorithm chosen, so the choice can change speed, never bits.
-
 DETGATE_CUBLASLT=0 turns the path off (Triton everywhere); DETGATE_CUBLASLT_MIN_ROWS=M moves
-the lower bound and DETGATE_CUBLASLT_AUTOTUNE=0 keeps the heuristic's first choice at every M
-(knobs for benchmarks).
+the lower bound (a tuning knob for benchmarks).
 
 A caller that launches one op at a time (`matmul_triton.matmul(..., host_bound=True)`, which
 set_batch_invariant_mode uses) may still take the Triton launch at a row count served here:
@@ -50,7 +43,6 @@ import threading
 import torch
 
 from detgate.kernels.bits import same_bits
-from detgate.kernels.launch_timing import launch_costs
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +51,6 @@ ENABLED = os.environ.get("DETGATE_CUBLASLT", "1") != "0"
 # tiles (16-128 rows) serve: cuBLASLt's algorithms without split-K were not measured faster
 # there.
 MIN_ROWS = int(os.environ.get("DETGATE_CUBLASLT_MIN_ROWS", "129"))
-AUTOTUNE = os.environ.get("DETGATE_CUBLASLT_AUTOTUNE", "1") != "0"
-# Up to this many rows the candidates are timed (decode batches, the smaller mixed steps); a
-# (shape, M) costs 8 candidates x 11 calls once per process.
-AUTOTUNE_MAX_ROWS = 1024
 # The check computes x [M, K] and two outputs [M, N]: larger than this, Triton serves that M
 # (an lm_head's 151,936 columns at thousands of scored positions would take gigabytes).
 VERIFY_MAX_BYTES = 1 << 30
@@ -216,12 +204,6 @@ class Gemm:
         other.w_ptr = w_ptr
         return other
 
-    def with_algo(self, algo) -> Gemm:
-        """The same call with another algorithm."""
-        other = copy.copy(self)
-        other.algo = algo
-        return other
-
     def __call__(self, a: torch.Tensor, stream: int) -> torch.Tensor:
         c = a.new_empty((a.shape[0], self.n))
         lib = self.lib
@@ -254,26 +236,6 @@ def _verify(gemm: Gemm, bt: torch.Tensor, m: int, reference) -> bool:
                      reference(x, bt.t()))
 
 
-def _fastest(gemm: Gemm, bt: torch.Tensor, m: int) -> Gemm:
-    """`gemm` with the candidate algorithm that runs fastest on this device at M rows (device
-    time, on random input and the weight itself); `gemm` itself if none times."""
-    gen = torch.Generator(device=bt.device).manual_seed(m)
-    x = torch.randn(m, bt.shape[1], device=bt.device, generator=gen).to(bt.dtype)
-    stream = torch.cuda.current_stream(bt.device).cuda_stream
-    lib = gemm.lib
-    best, best_us = gemm, float("inf")
-    for algo in lib.candidates(gemm.a_layout, gemm.b_layout, gemm.d_layout):
-        probe = gemm.with_algo(algo)
-        try:
-            probe(x, stream)  # warm; cuBLASLt may refuse an algorithm at this shape
-        except Unavailable:
-            continue
-        _, us = launch_costs(lambda p=probe: p(x, stream), calls=5, rounds=2)
-        if us < best_us:
-            best, best_us = probe, us
-    return best
-
-
 def gemm_for(bt: torch.Tensor, m: int, reference) -> Gemm | None:
     """A cuBLASLt call for x [m, K] @ bt.T (bt: W [N, K], 16-bit, rows 16-byte aligned) whose
     bits were found equal to `reference(x, W.t())` at this M, or None (use the reference)."""
@@ -299,8 +261,6 @@ def gemm_for(bt: torch.Tensor, m: int, reference) -> Gemm | None:
         return None
     if gemm.algo is None:
         return None
-    if AUTOTUNE and m <= AUTOTUNE_MAX_ROWS:
-        gemm = _fastest(gemm, bt, m)
     if not _verify(gemm, bt, m, reference):
         shape.failed = True
         log.warning("cuBLASLt's bits differ from the Triton matmul's for %s at %d rows: "
