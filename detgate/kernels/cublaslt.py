@@ -26,6 +26,10 @@ so which one a call takes never changes an answer.
 
 DETGATE_CUBLASLT=0 turns the path off (Triton everywhere); DETGATE_CUBLASLT_MIN_ROWS=M moves
 the lower bound (a tuning knob for benchmarks).
+
+A caller that launches one op at a time (`matmul_triton.matmul(..., host_bound=True)`, which
+set_batch_invariant_mode uses) may still take the Triton launch at a row count served here:
+cuBLASLt's enqueue costs more host time (see matmul_triton._eager_choice).
 """
 
 from __future__ import annotations

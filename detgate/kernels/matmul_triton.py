@@ -35,6 +35,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from detgate.kernels import cublaslt, pdl
+from detgate.kernels.launch_timing import launch_costs
 from detgate.kernels.triton_launch import Launcher, Unsupported, raw_stream
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
@@ -410,8 +411,17 @@ def _check(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> None:
 
 
 def clear_caches() -> None:
-    """Forget the per-weight launch state (after TUNED_16BIT changes)."""
+    """Forget the per-weight launch state (after TUNED_16BIT changes) and the host-bound
+    choices."""
     _WEIGHTS.clear()
+    _EAGER_CUBLASLT.clear()
+
+
+def host_bound_choices() -> dict[str, str]:
+    """The host-bound calls' launch by shape and M so far ("NxK@M" -> "cublaslt" or
+    "triton"), for reports."""
+    return {f"{n}x{k}@{m}": "cublaslt" if keep else "triton"
+            for (n, k, _, _, m), keep in _EAGER_CUBLASLT.items()}
 
 
 def prefetch_bytes(m: int, row_bytes: int, weight: tuple[int, int] | None = None) -> int:
@@ -564,10 +574,12 @@ class _Plan:
     """One (weight, M): the launch state and the call's arguments that follow from M alone,
     so that a call computes nothing but A's and C's addresses."""
 
-    __slots__ = ("launch", "grid", "tail", "gemm")
+    __slots__ = ("launch", "grid", "tail", "gemm", "eager_gemm")
 
     def __init__(self, launch: _Launch, m: int, n: int, k: int):
         self.gemm: cublaslt.Gemm | None = None  # set: this M runs on cuBLASLt instead
+        # What a host-bound caller runs (`matmul`'s host_bound): gemm or None, once timed.
+        self.eager_gemm: cublaslt.Gemm | None | object = _UNTIMED
         whole, self.grid, sub = _waves(m, n, launch.config, launch.max_programs)
         self.launch = launch
         prefetch = prefetch_bytes(m, launch.row_bytes, (n, k)) if launch.prefetch else 0
@@ -582,6 +594,10 @@ class _Plan:
 _WEIGHTS: dict[tuple, _Weight | None] = {}
 _MAX_WEIGHTS = 4096
 _MAX_DESCRIPTORS = 64  # per launch state
+_UNTIMED = object()  # _Plan.eager_gemm before its first host-bound call
+# (N, K, dtype, device, M) -> whether a host-bound call takes cuBLASLt there: timed once per
+# shape, not per weight (a model has a few shapes and many weights of each).
+_EAGER_CUBLASLT: dict[tuple, bool] = {}
 
 
 def _weight_for(key: tuple, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
@@ -602,8 +618,46 @@ def _weight_for(key: tuple, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor
     return weight
 
 
-def _matmul_fast(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
-                 ) -> torch.Tensor | None:
+def _launch_triton(plan: _Plan, weight: _Weight, a: torch.Tensor) -> torch.Tensor:
+    m, k = a.shape
+    c = a.new_empty((m, weight.n))
+    c_ptr = c.data_ptr()
+    launch = plan.launch
+    launch.launcher(plan.grid, 1, 1, raw_stream(weight.device),
+                    *launch.operand_args(a.data_ptr(), c_ptr, m, weight.n, k),
+                    weight.bias_ptr or c_ptr, *plan.tail)
+    return c
+
+
+def _eager_choice(plan: _Plan, weight: _Weight, a: torch.Tensor) -> cublaslt.Gemm | None:
+    """What a host-bound call at this plan's M runs: plan.gemm (cuBLASLt) or None (Triton).
+
+    An eager forward at small batches waits on its host (transformers' Qwen3 at batch 8: the
+    same 2.95 ms of device time with and without the mode, 4.4-5.0 ms of wall time), and
+    cuBLASLt's enqueue costs more host time than the Triton launch. So where cuBLASLt serves,
+    a host-bound call times both launches on its own operands once per (shape, M) and keeps
+    cuBLASLt only where the device time it saves exceeds the host time it adds: the most it
+    can win against the most it can lose. Both give the same bits (cublaslt.py), so the choice
+    is speed only. Inside a capture nothing is timed: a graph replays without host cost."""
+    if torch.cuda.is_current_stream_capturing():
+        return plan.gemm
+    key = (weight.n, weight.k, weight.dtype, weight.device, a.shape[0])
+    keep = _EAGER_CUBLASLT.get(key)
+    if keep is None:
+        stream = raw_stream(weight.device)
+        gemm = plan.gemm
+        for _ in range(2):  # warm both (allocator, caches)
+            gemm(a, stream)
+            _launch_triton(plan, weight, a)
+        lt_host, lt_device = launch_costs(lambda: gemm(a, stream))
+        tr_host, tr_device = launch_costs(lambda: _launch_triton(plan, weight, a))
+        keep = _EAGER_CUBLASLT[key] = tr_device - lt_device > lt_host - tr_host
+    plan.eager_gemm = plan.gemm if keep else None
+    return plan.eager_gemm
+
+
+def _matmul_fast(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                 host_bound: bool = False) -> torch.Tensor | None:
     """The CUDA launch with per-call host work cut to the bone; None where it does not apply
     (the JIT path below then runs the same kernels)."""
     if a.dim() != 2 or b.dim() != 2:
@@ -616,9 +670,8 @@ def _matmul_fast(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
     if weight is None:
         return None
     m, k = a.shape
-    a_ptr = a.data_ptr()
     # is_contiguous: A's rows are K apart (K >= 8 here, so its one element stride is 1 too).
-    if (k != weight.k or a.dtype != weight.dtype or m == 0 or a_ptr % 16
+    if (k != weight.k or a.dtype != weight.dtype or m == 0 or a.data_ptr() % 16
             or not a.is_contiguous() or a.get_device() != weight.device):
         return None
     plan = weight.by_m.get(m)
@@ -629,25 +682,27 @@ def _matmul_fast(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
         except Unsupported:
             _WEIGHTS[key] = None
             return None
-    if plan.gemm is not None:
-        return plan.gemm(a, raw_stream(weight.device))
-    c = a.new_empty((m, weight.n))
-    c_ptr = c.data_ptr()
-    launch, n = plan.launch, weight.n
-    launch.launcher(plan.grid, 1, 1, raw_stream(weight.device),
-                    *launch.operand_args(a_ptr, c_ptr, m, n, k), weight.bias_ptr or c_ptr,
-                    *plan.tail)
-    return c
+    gemm = plan.gemm
+    if gemm is not None and host_bound:
+        gemm = plan.eager_gemm
+        if gemm is _UNTIMED:
+            gemm = _eager_choice(plan, weight, a)
+    if gemm is not None:
+        return gemm(a, raw_stream(weight.device))
+    return _launch_triton(plan, weight, a)
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
-           config: TileConfig | None = None, a_desc: bool | None = None) -> torch.Tensor:
+           config: TileConfig | None = None, a_desc: bool | None = None,
+           host_bound: bool = False) -> torch.Tensor:
     """a [M, K] @ b [K, N] (+ bias [N]) -> [M, N] in a's dtype; rows independent of M.
 
+    `host_bound`: the caller launches eagerly, one op at a time (set_batch_invariant_mode), so
+    host time per call counts as much as device time (`_eager_choice`); the bits are the same.
     `config` overrides the tile choice and `a_desc` the A path (benchmarks and invariance
     checks only: both go through the JIT launch)."""
     if config is None and a_desc is None and a.is_cuda:
-        out = _matmul_fast(a, b, bias)
+        out = _matmul_fast(a, b, bias, host_bound)
         if out is not None:
             return out
     _check(a, b, bias)

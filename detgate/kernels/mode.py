@@ -62,6 +62,21 @@ def _rmsnorm_triton():
     return import_module("detgate.kernels.rmsnorm_triton")
 
 
+@functools.cache
+def _matmul_triton():
+    return import_module("detgate.kernels.matmul_triton")
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None
+            ) -> torch.Tensor:
+    """kernels.matmul; a CUDA call marked host-bound: a model run in this mode launches one op
+    at a time, so where cuBLASLt's enqueue costs more host time than it saves device time the
+    Triton launch serves (matmul_triton._eager_choice; the same bits either way)."""
+    if a.is_cuda:
+        return _matmul_triton().matmul(a, b, bias, host_bound=True)
+    return _kernels().matmul(a, b, bias)
+
+
 def _outer(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """A product over K = 1 (a rotary embedding's positions x frequencies): each element is
     one product rounded once, with no sum whose order could depend on the batch, so the
@@ -75,7 +90,7 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
         return None
     if a.shape[1] == 1:
         return _outer(a, b)
-    return _kernels().matmul(a, b)
+    return _matmul(a, b)
 
 
 def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta=1, alpha=1
@@ -84,9 +99,9 @@ def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta=1, alpha=1
         return None
     n = b.shape[1]
     if beta == 1 and alpha == 1 and bias.numel() == n and bias.shape[-1] == n:
-        return _kernels().matmul(a, b, bias.reshape(n))
+        return _matmul(a, b, bias.reshape(n))
     # General form: the product is the invariant part; scaling and adding are pointwise.
-    prod = _kernels().matmul(a, b)
+    prod = _matmul(a, b)
     if alpha != 1:
         prod = prod * alpha
     return prod + bias * beta if beta != 0 else prod
@@ -98,7 +113,7 @@ def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     if a.shape[2] == 1:
         return _outer(a, b)
     # One matmul per batch entry: each entry's rows reduce exactly as a lone matmul would.
-    return torch.stack([_kernels().matmul(a[i], b[i]) for i in range(a.shape[0])]) \
+    return torch.stack([_matmul(a[i], b[i]) for i in range(a.shape[0])]) \
         if a.shape[0] else a.new_empty((0, a.shape[1], b.shape[2]))
 
 

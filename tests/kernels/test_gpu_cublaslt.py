@@ -102,3 +102,22 @@ def test_a_check_too_large_for_its_memory_cap_leaves_the_rows_to_triton(mods, mo
     assert not lt._SHAPES  # never checked
     cfg = mm.pick_config(m, n, k, torch.bfloat16, info)
     assert same_bits(out, mm.matmul(a, w.t(), config=cfg))
+
+
+@pytest.mark.parametrize("n,k", [(1024, 4096), (12288, 4096)])
+@pytest.mark.parametrize("m", [129, 512])
+def test_a_host_bound_caller_gets_the_same_bits_from_whichever_launch_it_is_given(
+        mods, n, k, m):
+    # set_batch_invariant_mode's calls are host-bound: each (shape, M) times cuBLASLt against
+    # the Triton launch once and keeps one. Force each choice in turn: the bits are the same.
+    mm, lt = mods
+    a, w = _weights(n, k, m)
+    served = mm.matmul(a, w.t())
+    timed = mm.matmul(a, w.t(), host_bound=True)
+    (weight,) = [v for v in mm._WEIGHTS.values() if v is not None]
+    plan = weight.by_m[m]
+    assert plan.eager_gemm in (None, plan.gemm)
+    for choice in (None, plan.gemm):
+        plan.eager_gemm = choice
+        assert same_bits(mm.matmul(a, w.t(), host_bound=True), served), choice
+    assert same_bits(timed, served)
