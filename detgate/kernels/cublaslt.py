@@ -24,16 +24,8 @@ CUDA graph is being captured before the check could run, or where the check's op
 take more than VERIFY_MAX_BYTES, the Triton kernel runs. Both paths give a row the same bits,
 so which one a call takes never changes an answer.
 
-Which of those algorithms serves: up to AUTOTUNE_MAX_ROWS rows, the fastest on this device
-among the heuristic's candidates (`_ranked`: each candidate timed once per (shape, M) in this
-process; on an H100 the heuristic's first choice ran up to 1.2x slower than the best, o_proj
-19.0 against 15.7 us at 256 rows); above, the heuristic's first (within 2% of the fastest at
-512-1,024 rows). The check above runs on the algorithm chosen, and one failure
-still sends the shape to Triton, so the choice changes speed, never bits.
-
 DETGATE_CUBLASLT=0 turns the path off (Triton everywhere); DETGATE_CUBLASLT_MIN_ROWS=M moves
-the lower bound and DETGATE_CUBLASLT_AUTOTUNE=0 keeps the heuristic's first choice at every M
-(knobs for benchmarks).
+the lower bound (a tuning knob for benchmarks).
 
 A caller that launches one op at a time (`matmul_triton.matmul(..., host_bound=True)`, which
 set_batch_invariant_mode uses) may still take the Triton launch at a row count served here:
@@ -51,7 +43,6 @@ import threading
 import torch
 
 from detgate.kernels.bits import same_bits
-from detgate.kernels.launch_timing import launch_costs
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +51,6 @@ ENABLED = os.environ.get("DETGATE_CUBLASLT", "1") != "0"
 # tiles (16-128 rows) serve: cuBLASLt's algorithms without split-K were not measured faster
 # there.
 MIN_ROWS = int(os.environ.get("DETGATE_CUBLASLT_MIN_ROWS", "129"))
-AUTOTUNE = os.environ.get("DETGATE_CUBLASLT_AUTOTUNE", "1") != "0"
-# Up to this many rows the candidates are timed (decode batches, the smaller mixed steps): a
-# (shape, M) costs at most 8 candidates x 11 calls, once per process.
-AUTOTUNE_MAX_ROWS = 1024
 # The check computes x [M, K] and two outputs [M, N]: larger than this, Triton serves that M
 # (an lm_head's 151,936 columns at thousands of scored positions would take gigabytes).
 VERIFY_MAX_BYTES = 1 << 30
@@ -217,12 +204,6 @@ class Gemm:
         other.w_ptr = w_ptr
         return other
 
-    def with_algo(self, algo) -> Gemm:
-        """The same call with another algorithm."""
-        other = copy.copy(self)
-        other.algo = algo
-        return other
-
     def __call__(self, a: torch.Tensor, stream: int) -> torch.Tensor:
         c = a.new_empty((a.shape[0], self.n))
         lib = self.lib
@@ -246,35 +227,13 @@ class _Shape:
 _SHAPES: dict[tuple, _Shape] = {}
 
 
-def _probe_input(bt: torch.Tensor, m: int) -> torch.Tensor:
-    """Random x [m, K] in the weight's dtype, the same for a given M."""
-    gen = torch.Generator(device=bt.device).manual_seed(m)
-    return torch.randn(m, bt.shape[1], device=bt.device, generator=gen).to(bt.dtype)
-
-
 def _verify(gemm: Gemm, bt: torch.Tensor, m: int, reference) -> bool:
     """Both paths on the same random x [m, K] and the weight itself: every output element's
     bits equal."""
-    x = _probe_input(bt, m)
+    gen = torch.Generator(device=bt.device).manual_seed(m)
+    x = torch.randn(m, bt.shape[1], device=bt.device, generator=gen).to(bt.dtype)
     return same_bits(gemm(x, torch.cuda.current_stream(bt.device).cuda_stream),
                      reference(x, bt.t()))
-
-
-def _ranked(gemm: Gemm, bt: torch.Tensor, m: int) -> list[Gemm]:
-    """`gemm` with each of the heuristic's candidate algorithms that runs at M rows, fastest
-    on this device first (device time on random input and the weight itself)."""
-    x = _probe_input(bt, m)
-    stream = torch.cuda.current_stream(bt.device).cuda_stream
-    timed = []
-    for algo in gemm.lib.candidates(gemm.a_layout, gemm.b_layout, gemm.d_layout):
-        probe = gemm.with_algo(algo)
-        try:
-            probe(x, stream)  # warm; cuBLASLt may refuse an algorithm at this shape
-        except Unavailable:
-            continue
-        _, device_us = launch_costs(lambda p=probe: p(x, stream), calls=5, rounds=2)
-        timed.append((device_us, len(timed), probe))
-    return [probe for _, _, probe in sorted(timed, key=lambda t: t[:2])]
 
 
 def gemm_for(bt: torch.Tensor, m: int, reference) -> Gemm | None:
@@ -302,8 +261,6 @@ def gemm_for(bt: torch.Tensor, m: int, reference) -> Gemm | None:
         return None
     if gemm.algo is None:
         return None
-    if AUTOTUNE and m <= AUTOTUNE_MAX_ROWS:
-        gemm = next(iter(_ranked(gemm, bt, m)), gemm)
     if not _verify(gemm, bt, m, reference):
         shape.failed = True
         log.warning("cuBLASLt's bits differ from the Triton matmul's for %s at %d rows: "
