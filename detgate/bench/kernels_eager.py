@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from detgate import kernels
 from detgate.bench import kernels_gpu as bench
 from detgate.bench.timing import events_ms, graph_ms
-from detgate.kernels import matmul_triton, rmsnorm_triton
+from detgate.kernels import rmsnorm_triton
 from detgate.kernels.bits import same_bits
 
 WARMUP, CALLS, REPEATS = 5, 30, 5
@@ -210,10 +210,8 @@ def model_rows(profile: bool = False) -> dict:
         with kernels.set_batch_invariant_mode():
             result["row0_bit_identical_in_mode"] = _row0_identical(model, ids)
         result["row0_bit_identical_without_mode"] = _row0_identical(model, ids)
-        result["host_bound_matmuls"] = matmul_triton.host_bound_choices()
         if profile:
             result["host_profile"] = profile_rows(model, ids)
-    print("host-bound matmuls:", result["host_bound_matmuls"])
     print("row 0 identical in mode:", result["row0_bit_identical_in_mode"],
           "without:", result["row0_bit_identical_without_mode"], flush=True)
     del model

@@ -28,8 +28,8 @@ DETGATE_CUBLASLT=0 turns the path off (Triton everywhere); DETGATE_CUBLASLT_MIN_
 the lower bound (a tuning knob for benchmarks).
 
 A caller that launches one op at a time (`matmul_triton.matmul(..., host_bound=True)`, which
-set_batch_invariant_mode uses) may still take the Triton launch at a row count served here:
-cuBLASLt's enqueue costs more host time (see matmul_triton._eager_choice).
+set_batch_invariant_mode uses) takes the Triton launch at every row count outside a CUDA graph
+capture: its forward waits on the host, not on these matmuls (see matmul_triton.matmul).
 """
 
 from __future__ import annotations

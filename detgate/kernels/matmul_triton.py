@@ -35,7 +35,6 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from detgate.kernels import cublaslt, pdl
-from detgate.kernels.launch_timing import launch_costs
 from detgate.kernels.triton_launch import Launcher, Unsupported, raw_stream
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
@@ -411,17 +410,8 @@ def _check(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> None:
 
 
 def clear_caches() -> None:
-    """Forget the per-weight launch state (after TUNED_16BIT changes) and the host-bound
-    choices."""
+    """Forget the per-weight launch state (after TUNED_16BIT changes)."""
     _WEIGHTS.clear()
-    _EAGER_CUBLASLT.clear()
-
-
-def host_bound_choices() -> dict[str, str]:
-    """The host-bound calls' launch by shape and M so far ("NxK@M" -> "cublaslt" or
-    "triton"), for reports."""
-    return {f"{n}x{k}@{m}": "cublaslt" if keep else "triton"
-            for (n, k, _, _, m), keep in _EAGER_CUBLASLT.items()}
 
 
 def prefetch_bytes(m: int, row_bytes: int, weight: tuple[int, int] | None = None) -> int:
@@ -574,12 +564,10 @@ class _Plan:
     """One (weight, M): the launch state and the call's arguments that follow from M alone,
     so that a call computes nothing but A's and C's addresses."""
 
-    __slots__ = ("launch", "grid", "tail", "gemm", "eager_gemm")
+    __slots__ = ("launch", "grid", "tail", "gemm")
 
     def __init__(self, launch: _Launch, m: int, n: int, k: int):
         self.gemm: cublaslt.Gemm | None = None  # set: this M runs on cuBLASLt instead
-        # What a host-bound caller runs (`matmul`'s host_bound): gemm or None, once timed.
-        self.eager_gemm: cublaslt.Gemm | None | object = _UNTIMED
         whole, self.grid, sub = _waves(m, n, launch.config, launch.max_programs)
         self.launch = launch
         prefetch = prefetch_bytes(m, launch.row_bytes, (n, k)) if launch.prefetch else 0
@@ -594,10 +582,6 @@ class _Plan:
 _WEIGHTS: dict[tuple, _Weight | None] = {}
 _MAX_WEIGHTS = 4096
 _MAX_DESCRIPTORS = 64  # per launch state
-_UNTIMED = object()  # _Plan.eager_gemm before its first host-bound call
-# (N, K, dtype, device, M) -> whether a host-bound call takes cuBLASLt there: timed once per
-# shape, not per weight (a model has a few shapes and many weights of each).
-_EAGER_CUBLASLT: dict[tuple, bool] = {}
 
 
 def _weight_for(key: tuple, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
@@ -629,33 +613,6 @@ def _launch_triton(plan: _Plan, weight: _Weight, a: torch.Tensor) -> torch.Tenso
     return c
 
 
-def _eager_choice(plan: _Plan, weight: _Weight, a: torch.Tensor) -> cublaslt.Gemm | None:
-    """What a host-bound call at this plan's M runs: plan.gemm (cuBLASLt) or None (Triton).
-
-    An eager forward at small batches waits on its host (transformers' Qwen3 at batch 8: the
-    same 2.95 ms of device time with and without the mode, 4.4-5.0 ms of wall time), and
-    cuBLASLt's enqueue costs more host time than the Triton launch. So where cuBLASLt serves,
-    a host-bound call times both launches on its own operands once per (shape, M) and keeps
-    cuBLASLt only where the device time it saves exceeds the host time it adds: the most it
-    can win against the most it can lose. Both give the same bits (cublaslt.py), so the choice
-    is speed only. Inside a capture nothing is timed: a graph replays without host cost."""
-    if torch.cuda.is_current_stream_capturing():
-        return plan.gemm
-    key = (weight.n, weight.k, weight.dtype, weight.device, a.shape[0])
-    keep = _EAGER_CUBLASLT.get(key)
-    if keep is None:
-        stream = raw_stream(weight.device)
-        gemm = plan.gemm
-        for _ in range(2):  # warm both (allocator, caches)
-            gemm(a, stream)
-            _launch_triton(plan, weight, a)
-        lt_host, lt_device = launch_costs(lambda: gemm(a, stream))
-        tr_host, tr_device = launch_costs(lambda: _launch_triton(plan, weight, a))
-        keep = _EAGER_CUBLASLT[key] = tr_device - lt_device > lt_host - tr_host
-    plan.eager_gemm = plan.gemm if keep else None
-    return plan.eager_gemm
-
-
 def _matmul_fast(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                  host_bound: bool = False) -> torch.Tensor | None:
     """The CUDA launch with per-call host work cut to the bone; None where it does not apply
@@ -683,11 +640,7 @@ def _matmul_fast(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
             _WEIGHTS[key] = None
             return None
     gemm = plan.gemm
-    if gemm is not None and host_bound:
-        gemm = plan.eager_gemm
-        if gemm is _UNTIMED:
-            gemm = _eager_choice(plan, weight, a)
-    if gemm is not None:
+    if gemm is not None and (not host_bound or torch.cuda.is_current_stream_capturing()):
         return gemm(a, raw_stream(weight.device))
     return _launch_triton(plan, weight, a)
 
@@ -697,8 +650,16 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
            host_bound: bool = False) -> torch.Tensor:
     """a [M, K] @ b [K, N] (+ bias [N]) -> [M, N] in a's dtype; rows independent of M.
 
-    `host_bound`: the caller launches eagerly, one op at a time (set_batch_invariant_mode), so
-    host time per call counts as much as device time (`_eager_choice`); the bits are the same.
+    `host_bound`: the caller launches eagerly, one op at a time (set_batch_invariant_mode): the
+    Triton launch serves every M, cuBLASLt only inside a CUDA graph capture. Such a forward
+    waits on its host at small batches (transformers' Qwen3, 8B widths, at batch 8: 2.95 ms of
+    device time with and without the mode, 4.4-5.0 ms of wall time), so cuBLASLt's faster
+    device time buys nothing there. Measured in one H100 start, three alternating rounds, that
+    model in the mode with cuBLASLt for its 512-row matmuls ran 1.14-1.16x its time without the
+    mode at batch 8, with the Triton launch 1.08-1.10x; 1.05-1.06x and 1.00-1.02x both ways at
+    batch 1 and 64 (4,096 rows, where the two are equally fast; cublaslt.py). Timing both
+    launches per (shape, M) and keeping cuBLASLt where its device time saved exceeded its extra
+    host time kept it at 512 rows and ran 1.14-1.16x. The bits are the same whichever serves.
     `config` overrides the tile choice and `a_desc` the A path (benchmarks and invariance
     checks only: both go through the JIT launch)."""
     if config is None and a_desc is None and a.is_cuda:

@@ -70,8 +70,8 @@ def _matmul_triton():
 def _matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None
             ) -> torch.Tensor:
     """kernels.matmul; a CUDA call marked host-bound: a model run in this mode launches one op
-    at a time, so where cuBLASLt's enqueue costs more host time than it saves device time the
-    Triton launch serves (matmul_triton._eager_choice; the same bits either way)."""
+    at a time, so the Triton launch serves where cuBLASLt would (matmul_triton.matmul's
+    host_bound; the same bits either way)."""
     if a.is_cuda:
         return _matmul_triton().matmul(a, b, bias, host_bound=True)
     return _kernels().matmul(a, b, bias)
