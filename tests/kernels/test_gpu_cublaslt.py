@@ -104,12 +104,9 @@ def test_a_check_too_large_for_its_memory_cap_leaves_the_rows_to_triton(mods, mo
     assert same_bits(out, mm.matmul(a, w.t(), config=cfg))
 
 
-@pytest.mark.parametrize("n,k", [(1024, 4096), (12288, 4096)])
-@pytest.mark.parametrize("m", [129, 512])
-def test_a_host_bound_caller_takes_the_triton_launch_and_gets_the_served_bits(mods, n, k, m):
-    # set_batch_invariant_mode's calls are host-bound: outside a capture they skip cuBLASLt;
-    # inside one (a graph replays without host cost) they take it. The bits are the same.
-    mm, lt = mods
+def _counting_gemm(mm, n, k, m):
+    """(a, w, the served call's output, the calls cuBLASLt got since) after one served call at
+    a row count cuBLASLt serves, its plan's gemm wrapped to count calls; skips elsewhere."""
     a, w = _weights(n, k, m)
     served = mm.matmul(a, w.t())
     (weight,) = [v for v in mm._WEIGHTS.values() if v is not None]
@@ -119,10 +116,24 @@ def test_a_host_bound_caller_takes_the_triton_launch_and_gets_the_served_bits(mo
     calls = []
     gemm = plan.gemm
     plan.gemm = lambda x, stream: calls.append(m) or gemm(x, stream)
+    return a, w, served, calls
 
+
+# set_batch_invariant_mode's calls are host-bound: outside a capture they skip cuBLASLt; inside
+# one (a graph replays without host cost) they take it. The bits are the same either way.
+@pytest.mark.parametrize("n,k", [(1024, 4096), (12288, 4096)])
+@pytest.mark.parametrize("m", [129, 512])
+def test_a_host_bound_call_takes_the_triton_launch_with_the_served_bits(mods, n, k, m):
+    mm, _ = mods
+    a, w, served, calls = _counting_gemm(mm, n, k, m)
     assert same_bits(mm.matmul(a, w.t(), host_bound=True), served)
     assert not calls
 
+
+def test_a_host_bound_call_inside_a_graph_capture_takes_cublaslt_with_the_served_bits(mods):
+    mm, _ = mods
+    m = 512
+    a, w, served, calls = _counting_gemm(mm, 12288, 4096, m)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = mm.matmul(a, w.t(), host_bound=True)
