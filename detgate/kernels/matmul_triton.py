@@ -602,17 +602,6 @@ def _weight_for(key: tuple, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor
     return weight
 
 
-def _launch_triton(plan: _Plan, weight: _Weight, a: torch.Tensor) -> torch.Tensor:
-    m, k = a.shape
-    c = a.new_empty((m, weight.n))
-    c_ptr = c.data_ptr()
-    launch = plan.launch
-    launch.launcher(plan.grid, 1, 1, raw_stream(weight.device),
-                    *launch.operand_args(a.data_ptr(), c_ptr, m, weight.n, k),
-                    weight.bias_ptr or c_ptr, *plan.tail)
-    return c
-
-
 def _matmul_fast(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                  host_bound: bool = False) -> torch.Tensor | None:
     """The CUDA launch with per-call host work cut to the bone; None where it does not apply
@@ -627,8 +616,9 @@ def _matmul_fast(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     if weight is None:
         return None
     m, k = a.shape
+    a_ptr = a.data_ptr()
     # is_contiguous: A's rows are K apart (K >= 8 here, so its one element stride is 1 too).
-    if (k != weight.k or a.dtype != weight.dtype or m == 0 or a.data_ptr() % 16
+    if (k != weight.k or a.dtype != weight.dtype or m == 0 or a_ptr % 16
             or not a.is_contiguous() or a.get_device() != weight.device):
         return None
     plan = weight.by_m.get(m)
@@ -639,10 +629,15 @@ def _matmul_fast(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
         except Unsupported:
             _WEIGHTS[key] = None
             return None
-    gemm = plan.gemm
-    if gemm is not None and (not host_bound or torch.cuda.is_current_stream_capturing()):
-        return gemm(a, raw_stream(weight.device))
-    return _launch_triton(plan, weight, a)
+    if plan.gemm is not None and (not host_bound or torch.cuda.is_current_stream_capturing()):
+        return plan.gemm(a, raw_stream(weight.device))
+    c = a.new_empty((m, weight.n))
+    c_ptr = c.data_ptr()
+    launch, n = plan.launch, weight.n
+    launch.launcher(plan.grid, 1, 1, raw_stream(weight.device),
+                    *launch.operand_args(a_ptr, c_ptr, m, n, k), weight.bias_ptr or c_ptr,
+                    *plan.tail)
+    return c
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
@@ -654,12 +649,10 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     Triton launch serves every M, cuBLASLt only inside a CUDA graph capture. Such a forward
     waits on its host at small batches (transformers' Qwen3, 8B widths, at batch 8: 2.95 ms of
     device time with and without the mode, 4.4-5.0 ms of wall time), so cuBLASLt's faster
-    device time buys nothing there. Measured in one H100 start, three alternating rounds, that
-    model in the mode with cuBLASLt for its 512-row matmuls ran 1.14-1.16x its time without the
-    mode at batch 8, with the Triton launch 1.08-1.10x; 1.05-1.06x and 1.00-1.02x both ways at
-    batch 1 and 64 (4,096 rows, where the two are equally fast; cublaslt.py). Timing both
-    launches per (shape, M) and keeping cuBLASLt where its device time saved exceeded its extra
-    host time kept it at 512 rows and ran 1.14-1.16x. The bits are the same whichever serves.
+    device time buys nothing there: on one H100 that model in the mode ran 1.08-1.10x its time
+    without the mode at batch 8 with the Triton launch, 1.14-1.17x with cuBLASLt, and the same
+    at batch 1 and 64 either way (bench/results/kernels-eager-h100-2026-12-07-host-bound-ab.json).
+    The bits are the same whichever serves (cublaslt.py).
     `config` overrides the tile choice and `a_desc` the A path (benchmarks and invariance
     checks only: both go through the JIT launch)."""
     if config is None and a_desc is None and a.is_cuda:
