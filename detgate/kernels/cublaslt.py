@@ -17,12 +17,20 @@ between programs (split-K and stream-K both need it), and reduction NONE exclude
 the output in place: every output element is one program's one accumulator over all of K. A
 Hopper bf16/fp16 kernel builds that accumulator from wgmma k16 steps; when they run in
 increasing k, as ours do, the bits are ours, whatever the tile. That last part is cuBLAS's
-code, not ours, so it is measured, not assumed: a (weight shape, row count) is served here only
-after this process computed it both ways on random input and found every output element's bits
-equal (`_Shape.checked`); anywhere else, or if the check fails once for a shape, or while a
-CUDA graph is being captured before the check could run, or where the check's operands would
-take more than VERIFY_MAX_BYTES, the Triton kernel runs. Both paths give a row the same bits,
-so which one a call takes never changes an answer.
+code, not ours, so it is measured, not assumed: an algorithm serves a weight shape only after
+this process computed that shape with it both ways on random input and found every output
+element's bits equal (`_Shape.verified`); anywhere else, or if the check fails once for a shape,
+or while a CUDA graph is being captured before its algorithm was checked, or where the check's
+operands would take more than VERIFY_MAX_BYTES, the Triton kernel runs. Both paths give a row
+the same bits, so which one a call takes never changes an answer.
+
+The check is per algorithm, not per row count: the heuristic picks an algorithm for each M, and
+an algorithm (cublasLtMatmulAlgo_t: kernel, tile, stages, swizzle, cluster; no field of the
+problem) computes every output element with the same instructions in the same k order whatever
+M is: M only sets how many tiles are launched, and rows past M are zero-filled loads that reach
+no stored element. A row count whose algorithm was checked at another row count is served
+without a check of its own; the heuristic's few algorithms over 129-1,024 rows are each checked
+once, where one check per row count cost an eagerly run lm_head about 1.5 ms at each new M.
 
 DETGATE_CUBLASLT=0 turns the path off (Triton everywhere); DETGATE_CUBLASLT_MIN_ROWS=M moves
 the lower bound (a tuning knob for benchmarks).
@@ -215,12 +223,13 @@ class Gemm:
 
 
 class _Shape:
-    """Per (N, K, row stride, dtype, device): the calls whose bits were checked equal to the
-    Triton kernel's, by row count (every weight of the shape runs the algorithm checked), and
-    whether a check failed (then Triton serves the shape)."""
+    """Per (N, K, row stride, dtype, device): the call served at each row count met (every
+    weight of the shape runs it), the algorithms whose bits were checked equal to the Triton
+    kernel's (by their bytes), and whether a check failed (then Triton serves the shape)."""
 
     def __init__(self):
         self.checked: dict[int, Gemm] = {}
+        self.verified: set[bytes] = set()
         self.failed = False
 
 
@@ -251,8 +260,11 @@ def gemm_for(bt: torch.Tensor, m: int, reference) -> Gemm | None:
     checked = shape.checked.get(m)
     if checked is not None:
         return checked.rebind(bt.data_ptr())
-    if torch.cuda.is_current_stream_capturing():
-        return None  # no check inside a capture: Triton for this M (same bits either way)
+    # No check inside a capture (Triton serves that M, same bits either way); an algorithm
+    # checked before may still serve it.
+    capturing = torch.cuda.is_current_stream_capturing()
+    if capturing and not shape.verified:
+        return None
     try:
         gemm = Gemm(library(), bt.data_ptr(), bt.stride(0), n, k, m, bt.dtype)
     except (Unavailable, OSError) as exc:
@@ -261,10 +273,16 @@ def gemm_for(bt: torch.Tensor, m: int, reference) -> Gemm | None:
         return None
     if gemm.algo is None:
         return None
+    if bytes(gemm.algo) in shape.verified:  # checked at another M: see the module doc
+        shape.checked[m] = gemm
+        return gemm
+    if capturing:
+        return None
     if not _verify(gemm, bt, m, reference):
         shape.failed = True
         log.warning("cuBLASLt's bits differ from the Triton matmul's for %s at %d rows: "
                     "Triton serves this shape", (n, k, bt.dtype), m)
         return None
+    shape.verified.add(bytes(gemm.algo))
     shape.checked[m] = gemm
     return gemm

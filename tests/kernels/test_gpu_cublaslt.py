@@ -61,6 +61,27 @@ def test_cublaslt_rows_have_the_triton_bits(mods, n, k):
                     "found no algorithm): Triton serves, so rows are invariant either way")
 
 
+# An algorithm checked at one row count serves every other row count the heuristic gives it to
+# without a check of its own (see the module doc): every row count of a decode batch, each
+# against the Triton kernel at that M.
+@pytest.mark.parametrize("n,k", [(151936, 4096), (4096, 12288)])
+def test_every_row_count_up_to_1024_has_the_triton_bits(mods, n, k):
+    mm, lt = mods
+    a, w = _weights(n, k, 1024)
+    info = mm.device_info(torch.cuda.current_device())
+    served = 0
+    for m in range(lt.MIN_ROWS, 1025):
+        out = mm.matmul(a[:m], w.t())
+        assert same_bits(out, mm.matmul(a[:m], w.t(),
+                                        config=mm.pick_config(m, n, k, torch.bfloat16, info))), m
+        (weight,) = [v for v in mm._WEIGHTS.values() if v is not None]
+        served += weight.by_m[m].gemm is not None
+    if not served:
+        pytest.skip(f"cuBLASLt served no row count of {(n, k)} here")
+    (shape,) = lt._SHAPES.values()
+    print(f"{(n, k)}: {served} row counts served by {len(shape.verified)} checked algorithms")
+
+
 def test_a_check_that_finds_other_bits_turns_the_shape_back_to_triton(mods):
     mm, lt = mods
     n, k, m = 4096, 4096, 512
