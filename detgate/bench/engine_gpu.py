@@ -12,7 +12,9 @@ both numeric modes side by side, the Engine driven in process (no HTTP server ne
    logprobs compared bit for bit.
 2. Cost: the source workload (1000 requests, 90-110 output tokens, EOS ignored), every request
    submitted at once, in each mode; wall time, tokens/s and the ratio. With --repeats 2 the
-   second pass runs the modes in the other order.
+   second pass runs the modes in the other order. Every pass starts with an empty prefix
+   cache (its prompts are the same each pass); each records the prompt tokens it found cached
+   and its preemptions.
 3. Trainer check: teacher-forced scoring (one full forward, no KV reuse) of sampled sequences
    against their sampled logprobs, bit for bit.
 A model name that is a preset (tiny, qwen3-8b-shape) is built on the device with random
@@ -285,11 +287,13 @@ class Experiment:
             order = MODES if i % 2 == 0 else MODES[::-1]
             row = {}
             for mode in order:
+                self.engines[mode].reset_prefix_cache()  # every pass computes every prompt
                 _, stats = wl.run(self.engines[mode], reqs, arrival_seed=None)
                 row[mode] = _cost_row(stats)
                 log(mode, row[mode])
             row["ratio"] = row["batch_invariant"]["seconds"] / row["default"]["seconds"]
             if self.reference is not None:
+                self.reference.reset_prefix_cache()
                 _, stats = wl.run(self.reference, reqs, arrival_seed=None)
                 row[REFERENCE] = _cost_row(stats)
                 log(REFERENCE, row[REFERENCE])
@@ -319,6 +323,7 @@ class Experiment:
         with self.async_scheduling(asynchronous):
             for mode in MODES:
                 trace: list[tuple[int, int, float]] = []
+                self.engines[mode].reset_prefix_cache()
                 _, stats = wl.run(self.engines[mode], reqs, arrival_seed=None, trace=trace)
                 classes: dict[str, list[float]] = {}
                 for tokens, seqs, seconds in trace:

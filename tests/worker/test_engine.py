@@ -77,6 +77,24 @@ def test_prefix_cache_hot_equals_cold(tiny_model):
     assert hot["hot"] == cold["cold"]
 
 
+def test_reset_prefix_cache_makes_the_next_run_compute_its_prompts(tiny_model):
+    # The offline runner's counts: a second run of the same prompts finds them cached, a run
+    # after reset_prefix_cache() computes them again (a benchmark's passes each start cold).
+    from detgate.worker.engine import offline as wl
+
+    reqs = [wl.Request(f"r{i}", ids, GREEDY) for i, ids in enumerate(prompts(4, seed=6, lo=40))]
+    eng = engine(tiny_model)
+    _, cold = wl.run(eng, reqs, arrival_seed=None)
+    _, hot = wl.run(eng, reqs, arrival_seed=None)
+    eng.reset_prefix_cache()
+    _, reset = wl.run(eng, reqs, arrival_seed=None)
+    assert cold.cached_prompt_tokens == reset.cached_prompt_tokens == 0
+    assert hot.cached_prompt_tokens == sum((len(r.token_ids) - 1) // 16 * 16 for r in reqs)
+    eng.add("busy", reqs[0].token_ids, GREEDY)
+    with pytest.raises(RuntimeError):
+        eng.reset_prefix_cache()
+
+
 def test_preemption_is_bit_identical(tiny_model):
     # Four sequences of 14-16 tokens grow past a block boundary while holding 6 of 6 blocks.
     reqs = {f"r{i}": (p, SamplingParams(max_tokens=12, logprobs=0, ignore_eos=True))

@@ -111,6 +111,13 @@ class Engine:
         commit()
         self.block_manager.reset_prefix_cache()
 
+    def reset_prefix_cache(self) -> None:
+        """With no sequence left: forget every cached prefix, so that the next request computes
+        its whole prompt (a benchmark's passes over the same prompts each start cold)."""
+        if self._seqs or self._in_flight is not None:
+            raise RuntimeError("reset_prefix_cache() while sequences are in the engine")
+        self.block_manager.reset_prefix_cache()
+
     @property
     def num_sequences(self) -> int:
         return len(self._seqs)

@@ -49,6 +49,8 @@ class RunStats:
     max_batch_size: int
     mixed_seconds: float = 0.0  # engine time in the other steps (prefill chunks among them)
     wait_seconds: float = 0.0  # of the engine time, waiting for the device's results (CUDA)
+    cached_prompt_tokens: int = 0  # found in the prefix cache at each request's last admission
+    preemptions: int = 0
 
 
 def random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]:
@@ -94,6 +96,7 @@ def run(engine: Engine, reqs: list[Request], arrival_seed: int | None,
     out = {r.request_id: Completion() for r in reqs}
     steps = decode_only = seqs_total = max_seqs = generated = 0
     decode_seconds = mixed_seconds = wait_seconds = 0.0
+    cached = preemptions = 0
     start = time.perf_counter()
     while queue or engine.has_work():
         joining = len(queue) if arrival_seed is None else rng.choice(ARRIVALS)
@@ -115,8 +118,11 @@ def run(engine: Engine, reqs: list[Request], arrival_seed: int | None,
         seqs_total += stats.num_seqs
         max_seqs = max(max_seqs, stats.num_seqs)
         generated += stats.num_generated
+        preemptions += stats.num_preempted
         for o in outputs:
             c = out[o.request_id]
+            if o.finished:
+                cached += o.num_cached_tokens
             c.token_ids += [t.token_id for t in o.new_tokens]
             c.logprobs += [t.logprob for t in o.new_tokens]
             c.batch_sizes.append(stats.num_seqs)
@@ -125,7 +131,8 @@ def run(engine: Engine, reqs: list[Request], arrival_seed: int | None,
     seconds = time.perf_counter() - start
     prompt_tokens = sum(len(r.token_ids) for r in reqs)
     return out, RunStats(seconds, steps, generated, prompt_tokens, decode_only, decode_seconds,
-                         seqs_total / max(steps, 1), max_seqs, mixed_seconds, wait_seconds)
+                         seqs_total / max(steps, 1), max_seqs, mixed_seconds, wait_seconds,
+                         cached, preemptions)
 
 
 def determinism_measures(completions: list[Completion]) -> dict:
