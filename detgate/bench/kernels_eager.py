@@ -115,15 +115,15 @@ def norm_rows(m_values=(1, 8, 64, 512, 4096)) -> list[dict]:
 ROUNDS, FORWARDS = 5, 10
 
 
-def _forward_ms(model, ids: torch.Tensor) -> tuple[float, float]:
-    """Milliseconds of one eager forward (without the mode, in the mode): per mode, the median
-    over ROUNDS alternating rounds of the median of FORWARDS forwards after 3 warm-ups."""
+def _forward_ms(model, ids: torch.Tensor) -> tuple[list[float], list[float]]:
+    """Milliseconds of one eager forward (without the mode, in the mode), per round: ROUNDS
+    alternating rounds, each the median of FORWARDS forwards after 3 warm-ups."""
     plain, mode = [], []
     for _ in range(ROUNDS):
         plain.append(events_ms(lambda _: model(ids), 1, FORWARDS, warmup=3))
         with kernels.set_batch_invariant_mode():
             mode.append(events_ms(lambda _: model(ids), 1, FORWARDS, warmup=3))
-    return statistics.median(plain), statistics.median(mode)
+    return plain, mode
 
 
 def _row0_identical(model, ids: torch.Tensor) -> dict[int, bool]:
@@ -202,9 +202,12 @@ def model_rows(profile: bool = False) -> dict:
 
     with torch.inference_mode():
         for b in MODEL_BATCHES:
-            plain, mode = _forward_ms(model, ids[:b])
+            plain_rounds, mode_rounds = _forward_ms(model, ids[:b])
+            plain, mode = statistics.median(plain_rounds), statistics.median(mode_rounds)
             result["batches"].append({"batch": b, "forward_ms_without_mode": plain,
-                                      "forward_ms_in_mode": mode, "overhead": mode / plain})
+                                      "forward_ms_in_mode": mode, "overhead": mode / plain,
+                                      "rounds_ms_without_mode": plain_rounds,
+                                      "rounds_ms_in_mode": mode_rounds})
             print(f"model batch {b:<3} without mode {plain:7.2f} ms  in mode {mode:7.2f} ms  "
                   f"({mode / plain:.2f}x)", flush=True)
         with kernels.set_batch_invariant_mode():
