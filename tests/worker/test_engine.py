@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from detgate.worker.engine import offline as wl
 from detgate.worker.engine.async_engine import AsyncEngine
 from detgate.worker.engine.config import EngineConfig
 from detgate.worker.engine.engine import Engine
@@ -80,8 +81,6 @@ def test_prefix_cache_hot_equals_cold(tiny_model):
 def test_reset_prefix_cache_makes_the_next_run_compute_its_prompts(tiny_model):
     # The offline runner's counts: a second run of the same prompts finds them cached, a run
     # after reset_prefix_cache() computes them again (a benchmark's passes each start cold).
-    from detgate.worker.engine import offline as wl
-
     reqs = [wl.Request(f"r{i}", ids, GREEDY) for i, ids in enumerate(prompts(4, seed=6, lo=40))]
     eng = engine(tiny_model)
     _, cold = wl.run(eng, reqs, arrival_seed=None)

@@ -106,17 +106,19 @@ class Engine:
         the old weights that a sequence on the new ones would otherwise find by its tokens.
         (A step of aborted sequences may still run on the device: it reads the parameters
         before the copy, which is queued after it on the same stream.)"""
-        if self._seqs or self._in_flight is not None:
-            raise RuntimeError("update_weights() while sequences are in the engine")
+        self._require_idle("update_weights()")
         commit()
         self.block_manager.reset_prefix_cache()
 
     def reset_prefix_cache(self) -> None:
         """With no sequence left: forget every cached prefix, so that the next request computes
         its whole prompt (a benchmark's passes over the same prompts each start cold)."""
-        if self._seqs or self._in_flight is not None:
-            raise RuntimeError("reset_prefix_cache() while sequences are in the engine")
+        self._require_idle("reset_prefix_cache()")
         self.block_manager.reset_prefix_cache()
+
+    def _require_idle(self, what: str) -> None:
+        if self._seqs or self._in_flight is not None:
+            raise RuntimeError(f"{what} while sequences are in the engine")
 
     @property
     def num_sequences(self) -> int:
