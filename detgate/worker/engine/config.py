@@ -14,7 +14,8 @@ class EngineConfig:
     mode: str = DEFAULT_MODE
     device: str = "cpu"
     dtype: str = DEFAULT_DTYPE
-    # Scheduler limits: sequences in flight and tokens run in one step.
+    # Scheduler limits: sequences in flight and tokens run in one step (a CUDA worker whose flags
+    # leave them unset takes cuda_batch_limits' instead, in from_args).
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     # Longest prefill chunk one sequence gets in a step; None = only the token budget limits it.
@@ -69,14 +70,40 @@ class EngineConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
-        """From `detgate worker` / `detgate bench engine` arguments (absent flags keep defaults)."""
+        """From `detgate worker` / `detgate bench engine` arguments (absent flags keep defaults;
+        on CUDA, absent scheduler limits are the card's cuda_batch_limits)."""
         values = {name: getattr(args, name) for name in cls.__dataclass_fields__
                   if getattr(args, name, None) is not None}
+        if values.get("device", "cpu").startswith("cuda"):
+            values = {**_card_limits(values["device"]), **values}
         if getattr(args, "no_prefix_cache", False):
             values["enable_prefix_cache"] = False
         if getattr(args, "skip_self_check", False):
             values["self_check"] = False
         return cls(**values)
+
+
+def cuda_batch_limits(total_memory: int, name: str) -> dict[str, int]:
+    """max_num_seqs and max_num_batched_tokens for a CUDA card: vLLM's OpenAI-server defaults
+    (its EngineArgs.get_batch_defaults), so that a worker batches as a vLLM server on the same
+    card would: 1,024 sequences and 8,192 tokens a step on cards of 70 GiB or more (A100s
+    excepted, as there), 256 and 2,048 on smaller ones (EngineConfig's 64 and 2,048 suit a
+    CPU). The limits change no bit of a batch_invariant worker's output, only how many
+    sequences share a step."""
+    if total_memory >= 70 * 2**30 and "a100" not in name.lower():
+        return {"max_num_seqs": 1024, "max_num_batched_tokens": 8192}
+    return {"max_num_seqs": 256, "max_num_batched_tokens": 2048}
+
+
+def _card_limits(device: str) -> dict[str, int]:
+    """cuda_batch_limits of the card `device` names; none where CUDA is absent (the engine
+    fails on such a config where it starts, as without this)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    card = torch.cuda.get_device_properties(torch.device(device))
+    return cuda_batch_limits(card.total_memory, card.name)
 
 
 DEFAULT_CPU_KV_MB = 1024
