@@ -24,13 +24,16 @@ def add_engine_args(p: argparse.ArgumentParser, model: str = "tiny") -> None:
     p.add_argument("--mode", choices=MODES, default=DEFAULT_MODE)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE)
-    # Engine limits; unset flags keep EngineConfig's defaults.
-    p.add_argument("--max-num-seqs", type=int, help="sequences in flight at once")
-    p.add_argument("--max-num-batched-tokens", type=int, help="tokens run in one engine step")
+    # Engine limits; unset flags keep EngineConfig's defaults (on CUDA, the card's: from_args).
+    p.add_argument("--max-num-seqs", type=int, help="sequences in flight at once (CPU: 64; "
+                   "CUDA: vLLM's server default for the card, 1,024 on 70 GiB+ cards, else 256)")
+    p.add_argument("--max-num-batched-tokens", type=int, help="tokens run in one engine step (CPU: "
+                   "2,048; CUDA: 8,192 on 70 GiB+ cards, else 2,048)")
     p.add_argument("--chunk-size", type=int, help="longest prefill chunk of one sequence per step")
     p.add_argument("--block-size", type=int, help="KV block size in tokens (power of 2, >= 16)")
     p.add_argument("--num-kv-blocks", type=int, help="KV cache size in blocks")
-    p.add_argument("--kv-cache-mb", type=int, help="KV cache size in MiB")
+    p.add_argument("--kv-cache-mb", type=int, help="KV cache size in MiB (CPU: 1,024 at most; "
+                   "CUDA: 85%% of the memory free once the model is loaded)")
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     p.add_argument("--enforce-eager", action="store_true",
