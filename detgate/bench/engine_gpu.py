@@ -40,7 +40,7 @@ import torch
 from detgate.bench.report import REFERENCE, environment, summary_table
 from detgate.contract.constants import DTYPES, MODES
 from detgate.worker.engine import offline as wl
-from detgate.worker.engine.config import EngineConfig
+from detgate.worker.engine.config import CUDA_KV_MEMORY_FRACTION, EngineConfig, cuda_batch_limits
 from detgate.worker.engine.engine import Engine
 from detgate.worker.model.attention_metadata import AttentionMetadata
 from detgate.worker.model.loader import load
@@ -53,12 +53,17 @@ PHASES = ("kernel_check", "build", "warmup", "decode_step", "determinism", "scor
           "cost_async", "cost_mixed_eager", "cost_eager", "cost_trace", "cost_trace_async")
 TRACES = ("cost_trace", "cost_trace_async")  # diagnostics, not run by default
 # The cost traces' step classes: decode-only steps by sequences, mixed by tokens (upper bounds)
-DECODE_CLASSES = (64, 128, 192, 224, 240, 256)
+DECODE_CLASSES = (64, 128, 192, 224, 240, 256, 512, 1024)
 MIXED_CLASSES = (512, 1024, 1536, 2048, 4096, 8192)
 
 
 def log(*parts) -> None:
     print(f"[{time.time() - T0:6.1f}s]", *parts, flush=True)
+
+
+def _card(device: str) -> tuple[int, str]:
+    card = torch.cuda.get_device_properties(torch.device(device))
+    return card.total_memory, card.name
 
 
 def _prefetch_weights(text: str) -> str:
@@ -87,10 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--repeats", type=int, default=1, help="cost passes (alternating order)")
     p.add_argument("--score-seqs", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="CUDA: the worker's default for the card (cuda_batch_limits); CPU: 256")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="CUDA: the worker's default for the card; CPU: 8192")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-mb", type=int, default=None, help="per engine (CUDA: 16 GiB)")
+    p.add_argument("--kv-cache-mb", type=int, default=None,
+                   help="per engine; CUDA: each engine gets half of the KV cache one worker "
+                        "would have (85%% of what both models leave free)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--reference", action="store_true",
                    help=f"CUDA: also run {REFERENCE} (default mode with the paged attention "
@@ -178,11 +187,10 @@ class Experiment:
             loaded = load(a.model, dtype=a.dtype, device=a.device, mode=mode)
         if paged_attention:  # every layer shares the model's one ops object
             loaded.model.ops.attention = make_ops("batch_invariant").attention
-        kv_mb = a.kv_cache_mb or (16 * 1024 if a.device == "cuda" else None)
+        limits = self._limits(loaded.model)
         config = EngineConfig(
-            model=a.model, mode=mode, device=a.device, dtype=a.dtype,
-            max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-            block_size=a.block_size, kv_cache_mb=kv_mb, enforce_eager=a.enforce_eager)
+            model=a.model, mode=mode, device=a.device, dtype=a.dtype, block_size=a.block_size,
+            enforce_eager=a.enforce_eager, **limits)
         engine = Engine(config, loaded.model, loaded.config)
         self.vocab_size = loaded.config.vocab_size
         return engine, {"seconds": round(time.time() - start, 1),
@@ -190,6 +198,31 @@ class Experiment:
                         "cuda_graphs": engine.runner.graphs is not None,
                         "parameters": sum(p.numel() for p in loaded.model.parameters()),
                         "fingerprint_parts": loaded.fingerprint_parts}
+
+    def _limits(self, model: torch.nn.Module) -> dict:
+        """The engines' scheduler limits and KV cache, the same for both modes: what a worker on
+        this card takes unless the flags say otherwise (EngineConfig.from_args), except that
+        two engines share the card here, so each gets half of one worker's KV cache: 85% of
+        the memory free once both models are loaded (the second is not yet: its size is the
+        first's)."""
+        if "limits" in self.result:
+            return self.result["limits"]
+        a = self.args
+        limits = cuda_batch_limits(*_card(a.device)) if a.device == "cuda" else {
+            "max_num_seqs": 256, "max_num_batched_tokens": 8192}
+        if a.max_num_seqs is not None:
+            limits["max_num_seqs"] = a.max_num_seqs
+        if a.max_num_batched_tokens is not None:
+            limits["max_num_batched_tokens"] = a.max_num_batched_tokens
+        limits["kv_cache_mb"] = a.kv_cache_mb
+        if a.kv_cache_mb is None and a.device == "cuda":
+            model_bytes = sum(t.numel() * t.element_size()
+                              for t in (*model.parameters(), *model.buffers()))
+            free, _ = torch.cuda.mem_get_info()
+            limits["kv_cache_mb"] = int(CUDA_KV_MEMORY_FRACTION * (free - model_bytes) / 2 / 2**20)
+        self.result["limits"] = limits
+        log(f"limits: {limits}")
+        return limits
 
     def warmup(self) -> dict:
         """Compile kernels and capture graphs before anything is timed."""
