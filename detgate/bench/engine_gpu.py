@@ -98,8 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CUDA: the worker's default for the card; CPU: 8192")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-mb", type=int, default=None,
-                   help="per engine; CUDA: each engine gets half of the KV cache one worker "
-                        "would have (85%% of what both models leave free)")
+                   help="per engine; CUDA: the engines share the KV cache one worker would "
+                        "have (85%% of what the models leave free)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--reference", action="store_true",
                    help=f"CUDA: also run {REFERENCE} (default mode with the paged attention "
@@ -200,11 +200,11 @@ class Experiment:
                         "fingerprint_parts": loaded.fingerprint_parts}
 
     def _limits(self, model: torch.nn.Module) -> dict:
-        """The engines' scheduler limits and KV cache, the same for both modes: what a worker on
-        this card takes unless the flags say otherwise (EngineConfig.from_args), except that
-        two engines share the card here, so each gets half of one worker's KV cache: 85% of
-        the memory free once both models are loaded (the second is not yet: its size is the
-        first's)."""
+        """The engines' scheduler limits and KV cache, the same for every engine: what a worker
+        on this card takes unless the flags say otherwise (EngineConfig.from_args), except that
+        two engines (three with --reference) share the card here, so each gets that share of
+        one worker's KV cache: 85% of the memory free once every model is loaded (only the
+        first is yet: the others are its size)."""
         if "limits" in self.result:
             return self.result["limits"]
         a = self.args
@@ -218,8 +218,10 @@ class Experiment:
         if a.kv_cache_mb is None and a.device == "cuda":
             model_bytes = sum(t.numel() * t.element_size()
                               for t in (*model.parameters(), *model.buffers()))
+            engines = len(MODES) + bool(a.reference and not a.no_reference)
             free, _ = torch.cuda.mem_get_info()
-            limits["kv_cache_mb"] = int(CUDA_KV_MEMORY_FRACTION * (free - model_bytes) / 2 / 2**20)
+            left = free - (engines - 1) * model_bytes
+            limits["kv_cache_mb"] = int(CUDA_KV_MEMORY_FRACTION * left / engines / 2**20)
         self.result["limits"] = limits
         log(f"limits: {limits}")
         return limits
