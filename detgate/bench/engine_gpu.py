@@ -40,7 +40,7 @@ import torch
 from detgate.bench.report import REFERENCE, environment, summary_table
 from detgate.contract.constants import DTYPES, MODES
 from detgate.worker.engine import offline as wl
-from detgate.worker.engine.config import CUDA_KV_MEMORY_FRACTION, EngineConfig, cuda_batch_limits
+from detgate.worker.engine.config import CUDA_KV_MEMORY_FRACTION, EngineConfig, card_batch_limits
 from detgate.worker.engine.engine import Engine
 from detgate.worker.model.attention_metadata import AttentionMetadata
 from detgate.worker.model.loader import load
@@ -59,11 +59,6 @@ MIXED_CLASSES = (512, 1024, 1536, 2048, 4096, 8192)
 
 def log(*parts) -> None:
     print(f"[{time.time() - T0:6.1f}s]", *parts, flush=True)
-
-
-def _card(device: str) -> tuple[int, str]:
-    card = torch.cuda.get_device_properties(torch.device(device))
-    return card.total_memory, card.name
 
 
 def _prefetch_weights(text: str) -> str:
@@ -93,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1, help="cost passes (alternating order)")
     p.add_argument("--score-seqs", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=None,
-                   help="CUDA: the worker's default for the card (cuda_batch_limits); CPU: 256")
+                   help="CUDA: the worker's default for the card (card_batch_limits); CPU: 256")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="CUDA: the worker's default for the card; CPU: 8192")
     p.add_argument("--block-size", type=int, default=16)
@@ -208,7 +203,7 @@ class Experiment:
         if "limits" in self.result:
             return self.result["limits"]
         a = self.args
-        limits = cuda_batch_limits(*_card(a.device)) if a.device == "cuda" else {
+        limits = card_batch_limits(a.device) if a.device == "cuda" else {
             "max_num_seqs": 256, "max_num_batched_tokens": 8192}
         if a.max_num_seqs is not None:
             limits["max_num_seqs"] = a.max_num_seqs

@@ -75,7 +75,7 @@ class EngineConfig:
         values = {name: getattr(args, name) for name in cls.__dataclass_fields__
                   if getattr(args, name, None) is not None}
         if values.get("device", "cpu").startswith("cuda"):
-            values = {**_card_limits(values["device"]), **values}
+            values = {**card_batch_limits(values["device"]), **values}
         if getattr(args, "no_prefix_cache", False):
             values["enable_prefix_cache"] = False
         if getattr(args, "skip_self_check", False):
@@ -95,7 +95,7 @@ def cuda_batch_limits(total_memory: int, name: str) -> dict[str, int]:
     return {"max_num_seqs": 256, "max_num_batched_tokens": 2048}
 
 
-def _card_limits(device: str) -> dict[str, int]:
+def card_batch_limits(device: str) -> dict[str, int]:
     """cuda_batch_limits of the card `device` names; none where CUDA is absent (the engine
     fails on such a config where it starts, as without this)."""
     import torch
