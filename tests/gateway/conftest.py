@@ -35,6 +35,13 @@ class Gateway:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         return httpx.Client(base_url=self.url, headers=headers, timeout=120)
 
+    def record(self, rid: str, key: str | None = None) -> dict:
+        """GET /v1/requests/{rid}, which must answer 200."""
+        with self.http(key) as http:
+            r = http.get(f"/v1/requests/{rid}")
+        assert r.status_code == 200, r.text
+        return r.json()
+
     def redis_keys(self) -> list[bytes]:
         return keys_under(self.redis_url, self.prefix)
 

@@ -42,12 +42,6 @@ def model(gw):
     return gw.client().models.list().data[0].id
 
 
-def record(gw, rid) -> dict:
-    with gw.http() as http:
-        r = http.get(f"/v1/requests/{rid}")
-    assert r.status_code == 200, r.text
-    return r.json()
-
 
 def replay(gw, rid, load=0) -> dict:
     with gw.http() as http:
@@ -63,7 +57,7 @@ def test_json_schema_answer_is_recorded_and_replays(gw, model):
                                                  response_format=fmt, temperature=0.7, seed=3)
     doc = json.loads(answer.choices[0].message.content)
     assert doc["city"] in ("Paris", "Rome", "Oslo") and 1 <= doc["days"] <= 9
-    rec = record(gw, answer.id)
+    rec = gw.record(answer.id)
     assert rec["request"]["response_format"] == fmt and rec["status"] == "complete"
     assert len(rec["choices"][0]["token_ids"]) == len(rec["choices"][0]["logprobs"]) > 5
     for load in (0, 6):
@@ -81,7 +75,7 @@ def test_forced_tool_calls_answer_record_and_replay(gw, model, choice):
     call = c.message.tool_calls[0]
     assert call.type == "function" and call.function.name in ("book", "wait")
     json.loads(call.function.arguments)
-    rec = record(gw, answer.id)
+    rec = gw.record(answer.id)
     assert rec["choices"][0]["tool_calls"][0]["function"]["name"] == call.function.name
     assert replay(gw, answer.id, load=4)["match"] is True
 
@@ -101,7 +95,7 @@ def test_streamed_tool_call_is_recorded_whole_and_replays(gw, model):
             finish = c.finish_reason or finish
     assert name == "book" and finish == "tool_calls"
     assert json.loads(args)["city"] in ("Paris", "Rome", "Oslo")
-    rec = record(gw, rid)
+    rec = gw.record(rid)
     assert rec["choices"][0]["tool_calls"][0]["function"] == {"name": "book", "arguments": args}
     assert replay(gw, rid)["match"] is True
 
@@ -119,7 +113,7 @@ def test_echo_with_token_id_prompts_is_recorded_and_replays(gw, model):
         lp = choice["logprobs"]
         assert len(lp["token_logprobs"]) == len(prompt) + 1 and lp["token_logprobs"][0] is None
         assert all(isinstance(x, float) for x in lp["token_logprobs"][1:])
-    rec = record(gw, body["id"])
+    rec = gw.record(body["id"])
     assert [c["prompt_token_ids"] for c in rec["choices"]] == prompts
     assert all(len(c["logprobs"]) == len(c["token_ids"]) == 1 for c in rec["choices"])
     assert rec["choices"][0]["prompt_logprobs"] == body["choices"][0]["logprobs"][
@@ -139,7 +133,7 @@ def test_vllm_extras_are_honoured_and_recorded(gw, model):
     assert r.status_code == 200
     assert all(e.get("usage") for e in events)  # continuous usage: every chunk
     assert events[-1]["usage"]["completion_tokens"] == 12
-    rec = record(gw, events[0]["id"])
+    rec = gw.record(events[0]["id"])
     assert len(rec["choices"][0]["token_ids"]) == 12
     assert rec["request"]["stream_options"]["continuous_usage_stats"] is True
     assert replay(gw, events[0]["id"])["match"] is True

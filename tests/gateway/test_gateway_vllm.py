@@ -39,12 +39,6 @@ def setup(request):
     return gw, worker
 
 
-def record(gw, rid):
-    with gw.http() as http:
-        r = http.get(f"/v1/requests/{rid}")
-    assert r.status_code == 200
-    return r.json()
-
 
 def test_derived_fingerprint_depends_on_what_changes_numbers():
     fp = expected_fingerprint()
@@ -68,7 +62,7 @@ def test_chat_plain(setup):
     assert sent["logprobs"] is True and sent["top_logprobs"] == 0
     assert sent["return_token_ids"] is True and isinstance(sent["seed"], int)
 
-    rec = record(gw, answer.id)
+    rec = gw.record(answer.id)
     src = orjson.loads(fixture("vllm_chat.json"))
     want_lp = [e["logprob"] for e in src["choices"][0]["logprobs"]["content"]]
     assert rec["choices"][0]["token_ids"] == src["choices"][0]["token_ids"]
@@ -91,7 +85,7 @@ def test_completion_with_logprobs_token_ids_and_prompt_logprobs(setup):
     assert body["id"] == r.headers["x-detgate-record-id"]
     assert body["choices"][0]["token_ids"] == src["token_ids"]
     assert body["choices"][0]["prompt_logprobs"] == src["prompt_logprobs"]
-    rec = record(gw, body["id"])
+    rec = gw.record(body["id"])
     assert rec["prompt_logprobs"] == src["prompt_logprobs"]
     assert "seed" not in rec["request"]  # greedy: nothing to seed
     assert bits(rec["choices"][0]["logprobs"]) == bits(src["logprobs"]["token_logprobs"])
@@ -115,7 +109,7 @@ def test_chat_stream(setup):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello! How"
     assert all(c.usage is None for c in chunks)  # usage not asked for: dropped
     assert all(c.choices[0].logprobs is None for c in chunks if c.choices)
-    rec = record(gw, rid)
+    rec = gw.record(rid)
     src = sse_payloads(fixture("vllm_chat_stream.txt"))
     assert rec["status"] == "complete"
     assert rec["choices"][0]["token_ids"] == [9707, 0, 2585]
@@ -135,7 +129,7 @@ def test_completion_stream_with_usage_and_logprobs(setup):
     assert chunks[-1].usage.completion_tokens == 2
     lps = [lp for c in chunks if c.choices for lp in c.choices[0].logprobs.token_logprobs]
     assert lps == [-0.0478133261203766, -0.5810661911964417]
-    rec = record(gw, chunks[0].id)
+    rec = gw.record(chunks[0].id)
     assert rec["choices"][0]["token_ids"] == [12095, 13]
     assert rec["choices"][0]["text"] == " Paris."
 
@@ -243,7 +237,7 @@ def test_worker_dying_mid_stream_is_an_error_event_and_a_failed_record(setup):
     # takes `[DONE]` for success would keep a truncated answer).
     assert "[DONE]" not in events, events
     assert orjson.loads(events[-1])["error"]["type"] == "upstream_error"
-    rec = record(gw, rid)
+    rec = gw.record(rid)
     assert rec["status"] == "failed" and rec["choices"][0]["token_ids"] == [9707]
     # Its health check passes (only the connection was cut): in rotation.
     deadline = time.monotonic() + 30

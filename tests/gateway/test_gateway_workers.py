@@ -35,12 +35,6 @@ def model(gw):
     return gw.client().models.list().data[0].id
 
 
-def record(gw, rid) -> dict:
-    with gw.http() as http:
-        r = http.get(f"/v1/requests/{rid}")
-    assert r.status_code == 200, r.text
-    return r.json()
-
 
 def direct(worker_url: str, rec: dict) -> dict:
     """The recorded request sent straight to a worker (not streamed), its choices' view."""
@@ -90,7 +84,7 @@ def test_chat_answers_and_records(gw, model, stream, logprobs):
                    if answer.choices[0].logprobs else [])
         if logprobs:
             assert all(len(e.top_logprobs) == 2 for e in answer.choices[0].logprobs.content)
-    rec = record(gw, rid)
+    rec = gw.record(rid)
     assert rec["id"] == rid and rec["system_fingerprint"] == fingerprint
     assert rec["choices"][0]["text"] == text
     assert isinstance(rec["request"]["seed"], int)  # sampled (default temperature): seeded
@@ -123,7 +117,7 @@ def test_completion_answers_and_records(gw, model, stream, logprobs):
         rid = answer.id
         assert answer.object == "text_completion" and len(answer.choices) == 2
         got = {c.index: c.logprobs.token_logprobs for c in answer.choices if c.logprobs}
-    rec = record(gw, rid)
+    rec = gw.record(rid)
     assert "seed" not in rec["request"]  # greedy
     assert len(rec["choices"]) == 2
     if logprobs:
@@ -157,9 +151,9 @@ def test_replays_match_on_batch_invariant_workers(gw, model):
                 assert cmp["match"] is True, cmp
                 assert cmp["first_divergence"] is None and cmp["logprob_mse"] == 0.0
                 assert cmp["max_abs_logprob_diff"] == 0.0 and cmp["load"] == load
-                assert cmp["tokens_compared"] == len(record(gw, rid)["choices"][0]["token_ids"])
+                assert cmp["tokens_compared"] == len(gw.record(rid)["choices"][0]["token_ids"])
                 assert cmp["original_fingerprint"] == cmp["replay_fingerprint"]
-    assert len(record(gw, greedy)["replays"]) == 2
+    assert len(gw.record(greedy)["replays"]) == 2
     assert gw.metric("detgate_replays_total", result="match") == before + 4
     assert gw.metric("detgate_replay_logprob_mse_count") == mse_before + 4
 
@@ -218,7 +212,7 @@ def test_killed_worker_is_ejected_and_returns(gw, model, workers):
 
     assert results and all(code == 200 for code, _ in results), results
     for _, rid in results[n_at_kill:]:
-        rec = record(gw, rid)
+        rec = gw.record(rid)
         assert rec["status"] == "complete" and rec["worker"] == survivor.url
         assert rec["choices"][0]["token_ids"]
     with gw.http() as http:
@@ -231,7 +225,7 @@ def test_killed_worker_is_ejected_and_returns(gw, model, workers):
     restarted = Proc(victim.args, victim.url, victim.log_path).start("/health", timeout=180)
     workers[0] = restarted
     wait_for(lambda: gw.metric("detgate_worker_up", worker=victim.url) == 1)
-    seen = {record(gw, gw.client().completions.create(
+    seen = {gw.record(gw.client().completions.create(
         model=model, prompt=f"back {i}", max_tokens=2).id)["worker"] for i in range(6)}
     assert victim.url in seen
 
