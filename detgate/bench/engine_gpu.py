@@ -168,9 +168,15 @@ class Experiment:
         info = {}
         for mode in MODES:
             self.engines[mode], info[mode] = self._engine(mode)
-        if self.args.device == "cuda" and self.args.reference and not self.args.no_reference:
+        if self._with_reference:
             self.reference, info[REFERENCE] = self._engine("default", paged_attention=True)
         return info
+
+    @property
+    def _with_reference(self) -> bool:
+        """--reference on CUDA: a third engine (default mode, our paged attention)."""
+        a = self.args
+        return a.device == "cuda" and a.reference and not a.no_reference
 
     def _engine(self, mode: str, paged_attention: bool = False) -> tuple[Engine, dict]:
         a = self.args
@@ -213,7 +219,7 @@ class Experiment:
         if a.kv_cache_mb is None and a.device == "cuda":
             model_bytes = sum(t.numel() * t.element_size()
                               for t in (*model.parameters(), *model.buffers()))
-            engines = len(MODES) + bool(a.reference and not a.no_reference)
+            engines = len(MODES) + self._with_reference
             free, _ = torch.cuda.mem_get_info()
             left = free - (engines - 1) * model_bytes
             limits["kv_cache_mb"] = int(CUDA_KV_MEMORY_FRACTION * left / engines / 2**20)

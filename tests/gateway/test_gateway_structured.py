@@ -42,7 +42,6 @@ def model(gw):
     return gw.client().models.list().data[0].id
 
 
-
 def replay(gw, rid, load=0) -> dict:
     with gw.http() as http:
         r = http.post(f"/replay/{rid}", json={"load": load})

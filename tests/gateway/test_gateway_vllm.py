@@ -24,7 +24,6 @@ LABELS = "VLLM_BATCH_INVARIANT=1,attention=FLASH_ATTN,gpu=H200"
 MSG = [{"role": "user", "content": "hi"}]
 
 
-
 def expected_fingerprint(labels: str = LABELS) -> str:
     cards = orjson.loads(fixture("vllm_models.json"))["data"]
     return derived_fingerprint(cards, "0.11.0", labels)
@@ -37,7 +36,6 @@ def setup(request):
     labels = orjson.dumps({worker.url: LABELS, "*": "unused"}).decode()
     gw = start([worker.url], env={"DETGATE_WORKER_LABELS": labels})
     return gw, worker
-
 
 
 def test_derived_fingerprint_depends_on_what_changes_numbers():

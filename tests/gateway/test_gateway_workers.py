@@ -35,7 +35,6 @@ def model(gw):
     return gw.client().models.list().data[0].id
 
 
-
 def direct(worker_url: str, rec: dict) -> dict:
     """The recorded request sent straight to a worker (not streamed), its choices' view."""
     body = {**rec["request"], "stream": False}
