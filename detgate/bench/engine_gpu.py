@@ -245,24 +245,20 @@ class Experiment:
             if cuda:
                 torch.cuda.synchronize()
                 before = torch.cuda.memory_reserved()
-            captured = graphs.capture_all(self.args.capture_width) if graphs else 0
-            decode_s = time.time() - start
-            # Mixed steps: every token bucket at the widths the cost workload needs (longer
-            # contexts are captured on first use).
-            mixed_n = mixed.capture_all(self.args.mixed_capture_width) if mixed else 0
-            mixed_s = time.time() - start - decode_s
+            # A worker's warm-up (graphs, then the eager lm_head at every row count), at the
+            # widths the cost workload needs (longer contexts are captured on first use).
+            warmed = engine.runner.warm_up(self.args.capture_width, self.args.mixed_capture_width)
             memory = None
             if cuda:
                 torch.cuda.synchronize()
                 memory = round((torch.cuda.memory_reserved() - before) / 2**20)
             _, stats = wl.run(engine, reqs, arrival_seed=5)
-            info[mode] = {"graphs": captured, "graph_failed": bool(graphs and graphs.failed),
-                          "decode_capture_seconds": round(decode_s, 1),
-                          "mixed_graphs": mixed_n,
+            info[mode] = {"graphs": warmed.get("decode_graphs", 0),
+                          "graph_failed": bool(graphs and graphs.failed),
                           "mixed_graph_failed": bool(mixed and mixed.failed),
-                          "mixed_capture_seconds": round(mixed_s, 1),
                           "mixed_buckets": mixed.buckets if mixed else None,
-                          "capture_reserved_mib": memory,
+                          **{k: v for k, v in warmed.items() if k != "decode_graphs"},
+                          "warm_up_reserved_mib": memory,
                           "seconds": round(time.time() - start, 1), "steps": stats.steps}
             log(mode, info[mode])
         return info

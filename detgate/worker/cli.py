@@ -38,6 +38,10 @@ def add_engine_args(p: argparse.ArgumentParser, model: str = "tiny") -> None:
     p.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: no CUDA graphs for decode steps")
+    p.add_argument("--no-warm-up", dest="warm_up", action="store_false", default=None,
+                   help="CUDA: serve at once, without first capturing the usual CUDA graphs and "
+                        "running the lm_head at every batch size (the first requests of each new "
+                        "shape then wait for that work)")
     p.add_argument("--weights-format", choices=["quantised", "fp32"],
                    help="batch_invariant fp32 on the CPU, a GGUF model: its Q8_0/Q4_0/Q4_1 "
                         "blocks read in place by the matmul ('quantised', the default) or its "

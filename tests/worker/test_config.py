@@ -38,6 +38,11 @@ def test_cpu_keeps_the_engine_defaults_and_flags_win():
     assert (given.max_num_seqs, given.max_num_batched_tokens) == (8, 512)
 
 
+def test_a_worker_warms_up_unless_told_not_to():
+    assert config().warm_up is True
+    assert config("--no-warm-up").warm_up is False
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_cuda_worker_takes_its_cards_limits_unless_flags_say():

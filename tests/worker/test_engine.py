@@ -160,6 +160,12 @@ def test_stop_token_and_max_tokens(tiny_model):
     assert [t for t, _ in stopped["b"]] == [t for t, _ in free["a"][:first + 1]]
 
 
+def test_warm_up_has_nothing_to_do_on_the_cpu(tiny_model):
+    """No graphs and no cuBLASLt on the CPU: a CPU worker serves at once (its warm-up on CUDA:
+    tests/worker/test_gpu_engine.py)."""
+    assert engine(tiny_model).warm_up() == {}
+
+
 def test_validation(tiny_model):
     eng = engine(tiny_model, max_model_len=64)
     with pytest.raises(InvalidRequest, match="context length"):

@@ -5,6 +5,7 @@ with decode steps replayed from CUDA graphs.
   join step by step, gives the same token ids and bitwise-equal logprobs;
 - CUDA graphs change nothing: the same traffic run eagerly gives the same bits (decode-only
   steps and steps that mix prefill chunks and decodes are both replayed from graphs);
+- a worker's warm-up leaves no graph capture to the requests that follow, and changes no bit;
 - asynchronous scheduling changes nothing: steps launched before the previous step's ids
   reach the host give the bits of steps that wait;
 - mixed steps captured vs eager, at the forward level: steps of prefill chunks and decodes,
@@ -103,6 +104,26 @@ def test_cuda_graphs_equal_eager(tiny_model):
     assert eager_engine.runner.graphs is None and eager_engine.runner.mixed_graphs is None
     eager, _ = wl.run(eager_engine, reqs, arrival_seed=11)  # other arrivals too
     assert results(graphs) == results(eager)
+
+
+def test_warm_up_leaves_no_capture_to_the_requests(tiny_model):
+    """A worker's warm-up captures every graph that traffic of contexts within its widths
+    replays, and runs the eager lm_head at every row count: serving then captures nothing, and
+    its answers have the bits of an engine that did not warm up."""
+    reqs = wl.determinism_workload(needles=6, fillers=60, prompt_len=37,
+                                   needle_tokens=NEEDLE_TOKENS, filler_prompt=(1, 150),
+                                   filler_tokens=(1, 64), vocab_size=_vocab(tiny_model), seed=7)
+    warm = engine(tiny_model, "batch_invariant", "bfloat16")
+    info = warm.warm_up()
+    assert info["decode_graphs"] > 0 and info["mixed_graphs"] > 0
+    assert info["logits_rows"] == warm.config.max_num_seqs
+    decode, mixed = set(warm.runner.graphs.graphs), set(warm.runner.mixed_graphs.graphs)
+    served, stats = wl.run(warm, reqs, arrival_seed=3)
+    assert stats.decode_only_steps > 0 and stats.max_batch_size > 16
+    assert set(warm.runner.graphs.graphs) == decode
+    assert set(warm.runner.mixed_graphs.graphs) == mixed
+    cold, _ = wl.run(engine(tiny_model, "batch_invariant", "bfloat16"), reqs, arrival_seed=3)
+    assert results(served) == results(cold)
 
 
 def test_async_scheduling_equals_sync(tiny_model):

@@ -31,6 +31,9 @@ class EngineConfig:
     max_n: int = 16
     # CUDA only: run every step eagerly instead of replaying decode steps from CUDA graphs.
     enforce_eager: bool = False
+    # CUDA: before serving, capture the usual CUDA graphs and run a step's eager tail at every
+    # row count (Engine.warm_up), so that no request waits for a capture, a compile or a check.
+    warm_up: bool = True
     # batch_invariant on the CPU: check the kernels' invariance on the model's shapes first.
     self_check: bool = True
     # Schedule and launch step n + 1 before waiting for step n's results, so that on CUDA the

@@ -41,6 +41,10 @@ T = TypeVar("T")
 
 # Context widths, in tokens, that graphs are captured for; a longer context runs eagerly.
 WIDTHS = (256, 512, 1024, 2048, 4096)
+# Widths up to which a worker's warm-up (ModelRunner.warm_up) captures every graph before it
+# serves: decode steps up to 1,024 tokens of context, mixed steps up to 256 (a mixed step's
+# graphs are per token bucket, 64 of them at 8,192 tokens a step, so each width costs more).
+WARM_DECODE_WIDTH, WARM_MIXED_WIDTH = 1024, 256
 
 
 def graph_batch_sizes(max_seqs: int) -> list[int]:

@@ -110,6 +110,13 @@ class Engine:
         commit()
         self.block_manager.reset_prefix_cache()
 
+    def warm_up(self) -> dict:
+        """Before serving: on CUDA, capture the usual step graphs and run a step's eager tail at
+        every row count, on dummy inputs (ModelRunner.warm_up: what it spares the first
+        requests, and why it changes no bit); on the CPU nothing. Returns what it did."""
+        self._require_idle("warm_up()")
+        return self.runner.warm_up()
+
     def reset_prefix_cache(self) -> None:
         """With no sequence left: forget every cached prefix, so that the next request computes
         its whole prompt (a benchmark's passes over the same prompts each start cold)."""

@@ -20,7 +20,12 @@ import torch
 
 from detgate.worker.engine.config import CUDA_KV_MEMORY_FRACTION, DEFAULT_CPU_KV_MB, EngineConfig
 from detgate.worker.engine.constraint import ConstraintState, apply_masks, fill_masks, mask_words
-from detgate.worker.engine.cuda_graphs import DecodeGraphs, MixedGraphs
+from detgate.worker.engine.cuda_graphs import (
+    WARM_DECODE_WIDTH,
+    WARM_MIXED_WIDTH,
+    DecodeGraphs,
+    MixedGraphs,
+)
 from detgate.worker.engine.sampler import Sampler
 from detgate.worker.engine.scheduler import Batch
 from detgate.worker.engine.sequence import PENDING, Sequence, TokenLogprob
@@ -119,6 +124,7 @@ class ModelRunner:
         self.model_config = model_config
         self.device = torch.device(config.device)
         self.block_size = config.block_size
+        self.max_num_seqs = config.max_num_seqs
         self.num_kv_blocks = self._num_kv_blocks(config)
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings,
@@ -144,6 +150,41 @@ class ModelRunner:
         self.mask_words = mask_words(model_config.vocab_size)
         # Token masks are computed on the host while the forward runs (see `launch`).
         self._masker = ThreadPoolExecutor(1, thread_name_prefix="token-masks")
+
+    @torch.inference_mode()
+    def warm_up(self, decode_width: int = WARM_DECODE_WIDTH,
+                mixed_width: int = WARM_MIXED_WIDTH) -> dict:
+        """CUDA, before serving: capture the decode graphs of every batch size at the context
+        widths up to `decode_width` and the mixed-step graphs of every token bucket up to
+        `mixed_width` (longer contexts are still captured on first use), then run the step's
+        eager tail (lm_head, argmax, log_softmax) at every row count from 1 to max_num_seqs.
+        Otherwise the first steps of a new shape pay for it inside a request: a graph capture
+        (an eager run, then the capture), a kernel compile, or for an lm_head of 129 rows and
+        more in batch_invariant mode a cuBLASLt heuristic query and, for an algorithm met for
+        the first time, its bit check (kernels/cublaslt.py). Everything here runs on dummy
+        inputs whose K/V go to the padding block: no sequence's state, and no bit of any later
+        step, depends on it (which path serves a matmul never changes its bits). CPU: nothing
+        to do."""
+        if self.device.type != "cuda":
+            return {}
+        info = {}
+        for kind, graphs, width in (("decode", self.graphs, decode_width),
+                                    ("mixed", self.mixed_graphs, mixed_width)):
+            start = time.perf_counter()
+            info[f"{kind}_graphs"] = graphs.capture_all(width) if graphs else 0
+            info[f"{kind}_capture_seconds"] = round(time.perf_counter() - start, 1)
+        tail = time.perf_counter()
+        mc = self.model_config
+        rows = self.max_num_seqs
+        hidden = torch.zeros(rows, mc.hidden_size, dtype=mc.dtype, device=self.device)
+        for r in range(1, rows + 1):
+            logits = self.model.compute_logits(hidden[:r])
+        chosen = logits.argmax(dim=-1)
+        self.sampler.logprobs(logits, chosen, num_top=1, with_rank=True)
+        torch.cuda.synchronize(self.device)
+        info["logits_rows"] = rows
+        info["logits_seconds"] = round(time.perf_counter() - tail, 1)
+        return info
 
     @torch.inference_mode()
     def launch(self, batch: Batch, previous: Launch | None) -> Launch:

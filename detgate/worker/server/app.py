@@ -53,6 +53,10 @@ def create_app(config: EngineConfig, admin_token: str | None = None, *,
 
             await asyncio.to_thread(check, loaded)
         engine = Engine(config, loaded.model, loaded.config)
+        if config.warm_up:
+            warmed = await asyncio.to_thread(engine.warm_up)
+            if warmed:
+                log.info("warmed up: %s", warmed)
         metrics = WorkerMetrics()
         metrics.bind(engine)
         async_engine = AsyncEngine(engine, on_step=metrics.observe_step,
