@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="warm-up captures decode graphs up to this context width")
     p.add_argument("--mixed-capture-width", type=int, default=256,
                    help="warm-up captures mixed-step graphs up to this context width")
+    p.add_argument("--no-warm-logits", dest="warm_logits", action="store_false",
+                   help="warm-up without the eager lm_head at every row count (the control "
+                   "for what that part of a worker's warm-up does to the first cost pass)")
     p.add_argument("--table", default="", help="a kernels_proof --tune run's gpu_kernels.json: "
                    "its tuned buckets merged over the shipped matmul table for this run")
     p.add_argument("--prefetch-weight", default="", type=_prefetch_weights,
@@ -247,7 +250,8 @@ class Experiment:
                 before = torch.cuda.memory_reserved()
             # A worker's warm-up (graphs, then the eager lm_head at every row count), at the
             # widths the cost workload needs (longer contexts are captured on first use).
-            warmed = engine.runner.warm_up(self.args.capture_width, self.args.mixed_capture_width)
+            warmed = engine.runner.warm_up(self.args.capture_width, self.args.mixed_capture_width,
+                                           logits=self.args.warm_logits)
             memory = None
             if cuda:
                 torch.cuda.synchronize()

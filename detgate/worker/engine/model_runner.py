@@ -153,7 +153,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self, decode_width: int = WARM_DECODE_WIDTH,
-                mixed_width: int = WARM_MIXED_WIDTH) -> dict:
+                mixed_width: int = WARM_MIXED_WIDTH, logits: bool = True) -> dict:
         """CUDA, before serving: capture the decode graphs of every batch size at the context
         widths up to `decode_width` and the mixed-step graphs of every token bucket up to
         `mixed_width` (longer contexts are still captured on first use), then run the step's
@@ -164,7 +164,7 @@ class ModelRunner:
         the first time, its bit check (kernels/cublaslt.py). Everything here runs on dummy
         inputs whose K/V go to the padding block: no sequence's state, and no bit of any later
         step, depends on it (which path serves a matmul never changes its bits). CPU: nothing
-        to do."""
+        to do. `logits=False` leaves out the eager tail (a benchmark's control)."""
         if self.device.type != "cuda":
             return {}
         info = {}
@@ -173,6 +173,8 @@ class ModelRunner:
             start = time.perf_counter()
             info[f"{kind}_graphs"] = graphs.capture_all(width) if graphs else 0
             info[f"{kind}_capture_seconds"] = round(time.perf_counter() - start, 1)
+        if not logits:
+            return info
         tail = time.perf_counter()
         mc = self.model_config
         rows = self.max_num_seqs
