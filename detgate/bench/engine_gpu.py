@@ -257,11 +257,9 @@ class Experiment:
                 torch.cuda.synchronize()
                 memory = round((torch.cuda.memory_reserved() - before) / 2**20)
             _, stats = wl.run(engine, reqs, arrival_seed=5)
-            info[mode] = {"graphs": warmed.get("decode_graphs", 0),
-                          "graph_failed": bool(graphs and graphs.failed),
+            info[mode] = {**warmed, "graph_failed": bool(graphs and graphs.failed),
                           "mixed_graph_failed": bool(mixed and mixed.failed),
                           "mixed_buckets": mixed.buckets if mixed else None,
-                          **{k: v for k, v in warmed.items() if k != "decode_graphs"},
                           "warm_up_reserved_mib": memory,
                           "seconds": round(time.time() - start, 1), "steps": stats.steps}
             log(mode, info[mode])

@@ -180,9 +180,8 @@ class ModelRunner:
         rows = self.max_num_seqs
         hidden = torch.zeros(rows, mc.hidden_size, dtype=mc.dtype, device=self.device)
         for r in range(1, rows + 1):
-            logits = self.model.compute_logits(hidden[:r])
-        chosen = logits.argmax(dim=-1)
-        self.sampler.logprobs(logits, chosen, num_top=1, with_rank=True)
+            out = self.model.compute_logits(hidden[:r])
+        self.sampler.logprobs(out, out.argmax(dim=-1), num_top=1, with_rank=True)
         torch.cuda.synchronize(self.device)
         info["logits_rows"] = rows
         info["logits_seconds"] = round(time.perf_counter() - tail, 1)
