@@ -157,7 +157,8 @@ class ModelRunner:
         """CUDA, before serving: capture the decode graphs of every batch size at the context
         widths up to `decode_width` and the mixed-step graphs of every token bucket up to
         `mixed_width` (longer contexts are still captured on first use), then run the step's
-        eager tail (lm_head, argmax, log_softmax) at every row count from 1 to max_num_seqs.
+        eager lm_head at every row count from 1 to max_num_seqs, and argmax and the logprobs
+        once (their kernels take the row count as a grid size only: nothing to warm per count).
         Otherwise the first steps of a new shape pay for it inside a request: a graph capture
         (an eager run, then the capture), a kernel compile, or for an lm_head of 129 rows and
         more in batch_invariant mode a cuBLASLt heuristic query and, for an algorithm met for
