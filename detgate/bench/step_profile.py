@@ -5,10 +5,15 @@ the eager step's kernels summed by kind (matmul, attention, norm, other) under t
     PYTHONPATH=. python -m detgate.bench.step_profile --out OUT_DIR [--model qwen3-8b-shape]
 
 Step shapes: decode_1 / decode_64 / decode_256 = that many sequences of 256 tokens (the decode
-step goals and the cost workload's batch); mixed_1018 = 250 decodes (context 200) + 6 prompts of
-128 tokens prefilled at once (1018 tokens); mixed_1250 = 240 decodes (context 150) + 10 prompts of
-101 tokens (1250: the cost workload's slowest class of mixed steps). K/V are written into
-the padding block only; keys are read from blocks of their own. Writes OUT_DIR/step-profile.json.
+step goals); mixed_1018 = 250 decodes (context 200) + 6 prompts of 128 tokens prefilled at once
+(1018 tokens); mixed_1250 = 240 decodes (context 150) + 10 prompts of 101 tokens (the slowest
+class of mixed steps at 256 sequences); decode_1000 and mixed_8192 = the cost workload's steps at
+a big card's limits (1,024 sequences, 8,192 tokens): 1,000 decodes of 160 tokens of context
+(their middle), and 892 decodes (context 120) + 73 prompts of 100 tokens. K/V are written into
+the padding block only; keys are read from blocks of their own. Besides the forward, each step's
+head as the engine runs it eagerly after the graph (lm_head on the sampled rows, argmax, the
+chosen token's logprob and rank: `head_ms`, of which `lm_head_ms`), with its kernels by kind.
+Writes OUT_DIR/step-profile.json.
 
 With programmatic dependent launch (kernels/pdl.py) a kernel of ours starts before its
 predecessor ends and waits inside: the profiler counts that wait as the kernel's time, so the
@@ -42,7 +47,9 @@ KINDS = (("attention", ("attn", "combine", "store_kv")),
 
 STEPS = {"decode_1": (1, 256, 0, 0), "decode_64": (64, 256, 0, 0),
          "decode_256": (256, 256, 0, 0), "mixed_1018": (250, 200, 6, 128),
-         "mixed_1250": (240, 150, 10, 101)}
+         "mixed_1250": (240, 150, 10, 101), "decode_1000": (1000, 160, 0, 0),
+         "mixed_8192": (892, 120, 73, 100)}
+MAX_NUM_SEQS = 1024  # room for decode_1000 (graphs serve up to max_num_seqs - 1 sequences)
 
 
 def kind(name: str) -> str:
@@ -86,15 +93,19 @@ def time_ms(fn, reps: int = 10) -> float:
 def profile_mode(mode: str, model: str, out: Path) -> dict:
     loaded = load_random(model, out / f"{model}-config", seed=0, device="cuda", mode=mode)
     engine = Engine(EngineConfig(model=model, mode=mode, device="cuda", dtype="bfloat16",
-                                 max_num_seqs=256, max_num_batched_tokens=8192,
-                                 kv_cache_mb=16 * 1024), loaded.model, loaded.config)
+                                 max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=8192,
+                                 kv_cache_mb=32 * 1024), loaded.model, loaded.config)
     runner = engine.runner
     info = {}
     for name, shape in STEPS.items():
         info[name] = measure(runner, *step_inputs(runner, *shape))
         row = info[name]
-        print(mode, name, {k: v for k, v in row.items() if k != "top_kernels"}, flush=True)
+        print(mode, name, {k: v for k, v in row.items() if k not in ("top_kernels", "head")},
+              flush=True)
         for ms, n, k in row["top_kernels"]:
+            print(f"    {ms:8.3f} ms  x{n:<5} {k}", flush=True)
+        print("  head", {k: v for k, v in row["head"].items() if k != "top_kernels"}, flush=True)
+        for ms, n, k in row["head"]["top_kernels"]:
             print(f"    {ms:8.3f} ms  x{n:<5} {k}", flush=True)
     return info
 
@@ -108,9 +119,31 @@ def measure(runner, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadat
     def graph():
         assert graphs.forward(ids, pos, meta) is not None
 
-    row = {"tokens": int(ids.shape[0]), "eager_ms": time_ms(eager), "graph_ms": time_ms(graph)}
+    hidden = runner.model(ids, pos, meta, runner.kv_caches)
+    # The rows that sample: each sequence's last scheduled token.
+    rows = (meta.query_start_loc[1:] - 1).long()
+
+    def lm_head():
+        runner.model.compute_logits(hidden[rows])
+
+    def head():  # ModelRunner.launch after the forward, greedy, logprobs=0
+        logits = runner.model.compute_logits(hidden[rows])
+        sampled = runner.sampler.sample(logits, [])
+        runner.sampler.logprobs(logits, sampled, num_top=0, with_rank=True)
+
+    row = {"tokens": int(ids.shape[0]), "sampled_rows": int(rows.shape[0]),
+           "eager_ms": time_ms(eager), "graph_ms": time_ms(graph),
+           "head_ms": time_ms(head), "lm_head_ms": time_ms(lm_head)}
+    row.update(kernels(eager))
+    row["head"] = kernels(head)
+    return row
+
+
+def kernels(fn) -> dict:
+    """One run of fn under torch.profiler: its kernels' GPU ms by kind, their total, the number
+    of launches and the top kernels."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        eager()
+        fn()
         torch.cuda.synchronize()
     by_kind: dict[str, float] = {}
     top = []
@@ -120,11 +153,10 @@ def measure(runner, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadat
             continue
         by_kind[kind(e.key)] = by_kind.get(kind(e.key), 0.0) + us / 1e3
         top.append((us / 1e3, e.count, e.key[:90]))
-    row["kernel_ms_by_kind"] = {k: round(v, 3) for k, v in sorted(by_kind.items())}
-    row["kernel_ms_total"] = round(sum(by_kind.values()), 3)
-    row["launches"] = sum(n for _, n, _ in top)
-    row["top_kernels"] = [[round(ms, 3), n, k] for ms, n, k in sorted(top, reverse=True)[:12]]
-    return row
+    return {"kernel_ms_by_kind": {k: round(v, 3) for k, v in sorted(by_kind.items())},
+            "kernel_ms_total": round(sum(by_kind.values()), 3),
+            "launches": sum(n for _, n, _ in top),
+            "top_kernels": [[round(ms, 3), n, k] for ms, n, k in sorted(top, reverse=True)[:12]]}
 
 
 def main() -> int:
