@@ -14,6 +14,8 @@
 #                score == sampled logprob -> OUT_DIR/det/
 #   gpu-tests    the GPU-marked tests, then the kernel test files that run natively on CUDA
 #                -> OUT_DIR/gpu-tests.log, OUT_DIR/kernel-files.log
+#   profile      where each step shape's GPU time goes, by kind of kernel, with its eager head
+#                (detgate.bench.step_profile) -> OUT_DIR/profile/step-profile.json
 #
 # Each step runs in a process of its own under `timeout` (STEP_TIMEOUT, seconds, default 300;
 # the engine experiment also stops starting phases after DEADLINE, default 150), so one that
@@ -23,13 +25,13 @@
 set -uo pipefail
 
 if [ $# -lt 1 ]; then
-  sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 OUT=$1
 shift
 STEPS=("$@")
-[ ${#STEPS[@]} -eq 0 ] && STEPS=(env warm-test cost cost-control det gpu-tests)
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(env warm-test cost cost-control det gpu-tests profile)
 PY=${PYTHON:-python}
 STEP_TIMEOUT=${STEP_TIMEOUT:-300}
 DEADLINE=${DEADLINE:-150}
@@ -71,6 +73,8 @@ print("torch", torch.__version__, "triton", triton.__version__,
         tests/kernels/test_mode.py tests/kernels/test_triton_ops.py \
         tests/kernels/test_fused_triton.py || rc=$?
       return $rc ;;
+    profile) timeout "$STEP_TIMEOUT" "$PY" -m detgate.bench.step_profile --out "$OUT/profile" \
+               > "$OUT/profile.log" 2>&1 ;;
     *) echo "unknown step $1" >&2; return 2 ;;
   esac
 }
