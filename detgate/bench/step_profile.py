@@ -113,13 +113,13 @@ def profile_mode(mode: str, model: str, out: Path) -> dict:
 def measure(runner, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> dict:
     graphs = runner.graphs if meta.max_query_len == 1 else runner.mixed_graphs
 
-    def eager():
-        runner.model(ids, pos, meta, runner.kv_caches)
+    def eager() -> torch.Tensor:
+        return runner.model(ids, pos, meta, runner.kv_caches)
 
     def graph():
         assert graphs.forward(ids, pos, meta) is not None
 
-    hidden = runner.model(ids, pos, meta, runner.kv_caches)
+    hidden = eager()
     # The rows that sample: each sequence's last scheduled token.
     rows = (meta.query_start_loc[1:] - 1).long()
 
