@@ -1,4 +1,4 @@
-"""Paged attention on the CPU: `store_kv` in torch (a copy), `paged_attention` compiled.
+"""Paged attention on the CPU: `store_kv` (a copy) and `paged_attention`, both compiled.
 
 Order (the invariant), from kernels/csrc/cpu_kernels.cpp: a query at position p of its
 sequence reads that sequence's keys 0..p in increasing position, through its block table, so
@@ -7,7 +7,7 @@ chunking never change which numbers it adds or in what order. Per query head: sc
 dot products over the head dim; max; exp and their sum over the p + 1 scores (8 lanes, fixed
 tree); the value sum per head-dim element as one fma chain in increasing position; one
 division. Every order depends only on (head dim, p + 1). The softmax scale is folded into the
-queries in torch (one IEEE multiply per element) before the call.
+queries inside the call: one IEEE multiply per element, the bits of torch's `q * scale`.
 """
 
 from __future__ import annotations
@@ -21,11 +21,13 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              slot_mapping: torch.Tensor) -> None:
     """Write k, v [T, Hkv, D] into the caches [num_blocks, block_size, Hkv, D] at slot_mapping
     [T] (block * block_size + offset); negative slots are skipped."""
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    load().store_kv(_heads(k.to(k_cache.dtype)), _heads(v.to(v_cache.dtype)), k_cache, v_cache,
+                    slot_mapping.to(torch.int64))
+
+
+def _heads(x: torch.Tensor) -> torch.Tensor:
+    """x [T, Hkv, D] with adjacent heads of adjacent elements (a view when it already is)."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
 
 
 def _int32(x: torch.Tensor) -> torch.Tensor:
@@ -39,7 +41,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     `decode` changes nothing here: the kernel runs one query at a time whatever the step."""
     if k_cache.dtype not in (torch.float32, torch.bfloat16):
         k_cache, v_cache = k_cache.float(), v_cache.float()
-    qs = (q.float() * scale).contiguous()
-    out = load().paged_attention(qs, k_cache.contiguous(), v_cache.contiguous(),
-                                 _int32(block_tables), _int32(query_start_loc), _int32(seq_lens))
+    out = load().paged_attention(q.float().contiguous(), k_cache.contiguous(),
+                                 v_cache.contiguous(), _int32(block_tables),
+                                 _int32(query_start_loc), _int32(seq_lens), scale)
     return out.to(q.dtype)

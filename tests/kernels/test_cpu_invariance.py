@@ -201,12 +201,13 @@ def test_builds_give_the_same_bits():
     assert same_bits(native.inv_rms(x, 1e-6), baseline.inv_rms(x, 1e-6))
     y = torch.randn(9, 3078, generator=gen) * 5
     assert same_bits(native.silu_and_mul(y), baseline.silu_and_mul(y))
-    q = torch.randn(20, 6, 64, generator=gen)
-    cache = [torch.randn(4, 16, 2, 64, generator=gen) for _ in range(2)]
-    tables = torch.tensor([[0, 1, 2, 3]], dtype=torch.int32)
-    args = (q, *cache, tables, torch.tensor([0, 20], dtype=torch.int32),
-            torch.tensor([50], dtype=torch.int32))
-    assert same_bits(native.paged_attention(*args), baseline.paged_attention(*args))
+    for d, cache_dtype in ((64, torch.float32), (20, torch.bfloat16)):  # 20: a partial vf8
+        q = torch.randn(20, 6, d, generator=gen)
+        cache = [torch.randn(4, 16, 2, d, generator=gen).to(cache_dtype) for _ in range(2)]
+        tables = torch.tensor([[0, 1, 2, 3]], dtype=torch.int32)
+        args = (q, *cache, tables, torch.tensor([0, 20], dtype=torch.int32),
+                torch.tensor([50], dtype=torch.int32), d ** -0.5)
+        assert same_bits(native.paged_attention(*args), baseline.paged_attention(*args)), d
     h = torch.randn(11, 581, generator=gen) * 3
     r, w = torch.randn_like(h), torch.randn(581, generator=gen)
     assert same_bits(native.rms_norm(h, w, 1e-6), baseline.rms_norm(h, w, 1e-6))

@@ -717,7 +717,9 @@ torch::Tensor silu_and_mul(const torch::Tensor& x) {
 // prefill, alone or in a batch, chunked or not, read the same keys in the same order.
 
 struct PagedArgs {
-  const float* q;         // [T, Hq, D], scaled
+  const float* q;         // [T, Hq, D]
+  float scale;            // the softmax scale, folded into each query: q[i] * scale, one
+                          // IEEE multiply per element, as torch's `q * scale` does
   const void* k_cache;    // [NB, BS, Hkv, D]
   const void* v_cache;
   const int32_t* tables;  // [B, max_blocks]
@@ -734,13 +736,90 @@ DETGATE_INLINE float dot_head(const float* q, const TC* k, int64_t d) {
   return combine(s);
 }
 
+// combine() of eight vectors at once: lane c of the result is combine(s[c]), the same
+// additions of the same operands in the same order, made lane-parallel by shuffles (which move
+// values and never change them): first (s0+s4, s1+s5, s2+s6, s3+s7) of each vector, then
+// (s0+s4)+(s2+s6) and (s1+s5)+(s3+s7), then their sum.
+DETGATE_INLINE vf8 combine8(const vf8* s) {
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+  vf8 p[4];  // p[c]: the four pair sums of s[2c] in lanes 0-3, of s[2c + 1] in lanes 4-7
+  for (int c = 0; c < 4; ++c) {
+    p[c] = __builtin_shufflevector(s[2 * c], s[2 * c + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(s[2 * c], s[2 * c + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+  vf8 w[2];  // w[h]: the two half sums of s[4h + c] in lanes 2c, 2c + 1
+  for (int h = 0; h < 2; ++h) {
+    w[h] = __builtin_shufflevector(p[2 * h], p[2 * h + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(p[2 * h], p[2 * h + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  }
+  return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#else
+  vf8 r;
+  for (int c = 0; c < L; ++c) r[c] = combine(s[c]);
+  return r;
+#endif
+}
+
+// dot_head of q with eight keys, bit for bit: key c's lanes accumulate exactly as dot_head's
+// (lane l: elements i = l (mod 8) in increasing i, fma8 from +0) and combine8 adds each key's
+// partials in combine()'s tree. Eight keys share each load of q and one combine.
+template <typename TC>
+DETGATE_INLINE vf8 dot_heads8(const float* q, const TC* const* k, int64_t d) {
+  vf8 s[L];
+  for (int c = 0; c < L; ++c) s[c] = splat(0.0f);
+  const int64_t body = d - d % L;
+  for (int64_t i = 0; i < body; i += L) {
+    const vf8 qv = load8(q + i);
+    for (int c = 0; c < L; ++c) s[c] = fma8(qv, load8(k[c] + i), s[c]);
+  }
+  if (body < d) {
+    const vf8 qv = load8_part(q + body, d - body, 0.0f);
+    for (int c = 0; c < L; ++c) s[c] = fma8(qv, load8_part(k[c] + body, d - body, 0.0f), s[c]);
+  }
+  return combine8(s);
+}
+
+// o[i0 + i] = (sum_j e[j] * vrows[j][i0 + i]) / total for i < 8C: per element one fma8 chain
+// over j in increasing order from +0, then one division. C is a constant so that the C
+// accumulators stay in registers across the key loop.
+template <int C, typename TC>
+DETGATE_INLINE void weighted_sum(const float* e, const TC* const* vrows, int64_t len,
+                                 float total, int64_t i0, float* o) {
+  vf8 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = splat(0.0f);
+  for (int64_t j = 0; j < len; ++j) {
+    const vf8 w = splat(e[j]);
+    const TC* v = vrows[j] + i0;
+    for (int c = 0; c < C; ++c) acc[c] = fma8(w, load8(v + c * L), acc[c]);
+  }
+  for (int c = 0; c < C; ++c) store8(o + i0 + c * L, acc[c] / total);
+}
+
+// weighted_sum of `chunks` (1..8) vf8 of the head dim.
+template <typename TC>
+void weighted_sum_any(int64_t chunks, const float* e, const TC* const* vrows, int64_t len,
+                      float total, int64_t i0, float* o) {
+  switch (chunks) {
+    case 8: return weighted_sum<8>(e, vrows, len, total, i0, o);
+    case 7: return weighted_sum<7>(e, vrows, len, total, i0, o);
+    case 6: return weighted_sum<6>(e, vrows, len, total, i0, o);
+    case 5: return weighted_sum<5>(e, vrows, len, total, i0, o);
+    case 4: return weighted_sum<4>(e, vrows, len, total, i0, o);
+    case 3: return weighted_sum<3>(e, vrows, len, total, i0, o);
+    case 2: return weighted_sum<2>(e, vrows, len, total, i0, o);
+    default: return weighted_sum<1>(e, vrows, len, total, i0, o);
+  }
+}
+
 // The q heads of kv head h for one query token with `len` visible keys; scratch, krows and
-// vrows hold >= len entries. The keys' rows are looked up once for the group; the weighted
-// sum of V runs key by key over up to 8 vf8 of the head dim at once (each element's chain is
-// still over j in increasing order, so the loop order changes speed, not bits).
+// vrows hold >= len entries, qs >= d. The keys' rows are looked up once for the group; the
+// scores come eight keys at a time (dot_heads8, dot_head's bits); the weighted sum of V runs
+// key by key over up to 8 vf8 of the head dim at once (each element's chain is still over j in
+// increasing order, so the loop order changes speed, not bits).
 template <typename TC>
 void attend(const PagedArgs& p, int64_t b, int64_t token, int64_t len, int64_t h,
-            float* scratch, const TC** krows, const TC** vrows) {
+            float* scratch, const TC** krows, const TC** vrows, float* qs) {
   const TC* kc = static_cast<const TC*>(p.k_cache);
   const TC* vc = static_cast<const TC*>(p.v_cache);
   const int64_t group = p.hq / p.hkv, d = p.d, row = p.hkv * d;
@@ -754,21 +833,17 @@ void attend(const PagedArgs& p, int64_t b, int64_t token, int64_t len, int64_t h
   constexpr int64_t CHUNKS = 8;  // vf8 accumulators of the head dim held at once
   for (int64_t g = 0; g < group; ++g) {
     const int64_t head = h * group + g;
-    const float* q = p.q + (token * p.hq + head) * d;
-    for (int64_t j = 0; j < len; ++j) scratch[j] = dot_head(q, krows[j], d);
+    const float* qh = p.q + (token * p.hq + head) * d;
+    for (int64_t i = 0; i < d; ++i) qs[i] = qh[i] * p.scale;
+    int64_t j = 0;
+    for (; j + L <= len; j += L) store8(scratch + j, dot_heads8(qs, krows + j, d));
+    for (; j < len; ++j) scratch[j] = dot_head(qs, krows[j], d);
     const float m = max_of(scratch, len);
     const float total = exp_sum<true>(scratch, len, m, scratch);
     float* o = p.out + (token * p.hq + head) * d;
     for (int64_t i0 = 0; i0 < body; i0 += CHUNKS * L) {
       const int64_t chunks = std::min<int64_t>(CHUNKS, (body - i0) / L);
-      vf8 acc[CHUNKS];
-      for (int64_t c = 0; c < chunks; ++c) acc[c] = splat(0.0f);
-      for (int64_t j = 0; j < len; ++j) {
-        const vf8 e = splat(scratch[j]);
-        const TC* v = vrows[j] + i0;
-        for (int64_t c = 0; c < chunks; ++c) acc[c] = fma8(e, load8(v + c * L), acc[c]);
-      }
-      for (int64_t c = 0; c < chunks; ++c) store8(o + i0 + c * L, acc[c] / total);
+      weighted_sum_any(chunks, scratch, vrows, len, total, i0, o);
     }
     if (body < d) {
       vf8 acc = splat(0.0f);
@@ -780,12 +855,13 @@ void attend(const PagedArgs& p, int64_t b, int64_t token, int64_t len, int64_t h
   }
 }
 
-// q [T, Hq, D] fp32 (already scaled), caches [NB, BS, Hkv, D] fp32 or bf16, block_tables
-// [B, max_blocks] int32, query_start_loc [B + 1] int32, seq_lens [B] int32 -> [T, Hq, D] fp32.
+// q [T, Hq, D] fp32 (unscaled), caches [NB, BS, Hkv, D] fp32 or bf16, block_tables
+// [B, max_blocks] int32, query_start_loc [B + 1] int32, seq_lens [B] int32, the softmax
+// scale -> [T, Hq, D] fp32.
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                               const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                               const torch::Tensor& query_start_loc,
-                              const torch::Tensor& seq_lens) {
+                              const torch::Tensor& seq_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(),
               "paged_attention: q [T, Hq, D] contiguous fp32 expected");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
@@ -798,7 +874,7 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
                   seq_lens.scalar_type() == torch::kInt32,
               "paged_attention: int32 block_tables, query_start_loc and seq_lens expected");
   const int64_t hq = q.size(1), d = q.size(2), hkv = k_cache.size(2);
-  auto out = torch::zeros_like(q);  // rows of padding tokens (of no sequence) stay zero
+  auto out = torch::empty_like(q);  // rows of padding tokens (of no sequence) are zeroed below
   const auto qsl = query_start_loc.contiguous();
   const auto lens = seq_lens.contiguous();
   const int32_t* starts = qsl.data_ptr<int32_t>();
@@ -817,28 +893,72 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
       longest = std::max(longest, keys[starts[b] + j]);
     }
   }
-  const PagedArgs args{q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(),
+  const PagedArgs args{q.data_ptr<float>(), static_cast<float>(scale), k_cache.data_ptr(),
+                       v_cache.data_ptr(),
                        block_tables.data_ptr<int32_t>(), block_tables.size(1),
                        k_cache.size(1), hkv, hq, d, out.data_ptr<float>()};
   const bool bf16 = k_cache.scalar_type() == torch::kBFloat16;
   at::parallel_for(0, tokens * hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(longest);
+    std::vector<float> scratch(longest), qs(d);
     std::vector<const void*> krows(longest), vrows(longest);
+    const int64_t group = hq / hkv;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t token = i / hkv, h = i % hkv;
-      if (seq_of[token] < 0) continue;
+      if (seq_of[token] < 0) {
+        std::memset(args.out + (token * hq + h * group) * d, 0, group * d * sizeof(float));
+        continue;
+      }
       if (bf16) {
         attend<uint16_t>(args, seq_of[token], token, keys[token], h, scratch.data(),
                          reinterpret_cast<const uint16_t**>(krows.data()),
-                         reinterpret_cast<const uint16_t**>(vrows.data()));
+                         reinterpret_cast<const uint16_t**>(vrows.data()), qs.data());
       } else {
         attend<float>(args, seq_of[token], token, keys[token], h, scratch.data(),
                       reinterpret_cast<const float**>(krows.data()),
-                      reinterpret_cast<const float**>(vrows.data()));
+                      reinterpret_cast<const float**>(vrows.data()), qs.data());
       }
     }
   });
   return out;
+}
+
+// k, v [T, Hkv, D] (heads of D adjacent, any token stride) into the caches [NB, BS, Hkv, D]
+// of their dtype, at slot_mapping [T] int64 (block * BS + offset); negative slots are skipped.
+// A copy of each token's rows: no arithmetic, so no bits to argue about.
+void store_kv(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& k_cache,
+              const torch::Tensor& v_cache, const torch::Tensor& slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.scalar_type() == k_cache.scalar_type() &&
+                  v.scalar_type() == v_cache.scalar_type(),
+              "store_kv: k, v [T, Hkv, D] of the caches' dtype expected");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2),
+              "store_kv: contiguous caches [NB, BS, Hkv, D] matching k, v expected");
+  const int64_t d = k.size(2), hkv = k.size(1);
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == d && v.stride(1) == d,
+              "store_kv: k, v with adjacent heads of adjacent elements expected");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == k.size(0) &&
+                  slot_mapping.scalar_type() == torch::kInt64,
+              "store_kv: slot_mapping [T] int64 expected");
+  const auto slots = slot_mapping.contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t tokens = k.size(0), capacity = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(sp[t] < capacity, "store_kv: slot ", sp[t], " beyond the cache's ", capacity);
+  }
+  const int64_t item = k.element_size(), row = hkv * d * item;
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t ks = k.stride(0) * item, vs = v.stride(0) * item;
+  at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (sp[t] < 0) continue;
+      std::memcpy(kc + sp[t] * row, kp + t * ks, row);
+      std::memcpy(vc + sp[t] * row, vp + t * vs, row);
+    }
+  });
 }
 
 std::string isa() {
@@ -869,6 +989,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("log_softmax", &log_softmax, "x [R, V] fp32 -> log_softmax over V, fp32");
   m.def("softmax", &softmax, "x [R, V] fp32 -> softmax over V, fp32");
   m.def("silu_and_mul", &silu_and_mul, "x [R, 2I] fp32 -> silu(x[:, :I]) * x[:, I:]");
-  m.def("paged_attention", &paged_attention, "causal GQA attention over a paged KV cache");
+  m.def("paged_attention", &paged_attention,
+        "causal GQA attention over a paged KV cache (q unscaled, the scale folded in)");
+  m.def("store_kv", &store_kv, "k, v [T, Hkv, D] into the paged caches at slot_mapping");
   m.def("isa", &isa, "the instruction set this build uses");
 }
