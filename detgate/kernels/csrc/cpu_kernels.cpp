@@ -824,10 +824,13 @@ void attend(const PagedArgs& p, int64_t b, int64_t token, int64_t len, int64_t h
   const TC* vc = static_cast<const TC*>(p.v_cache);
   const int64_t group = p.hq / p.hkv, d = p.d, row = p.hkv * d;
   const int32_t* table = p.tables + b * p.max_blocks;
-  for (int64_t j = 0; j < len; ++j) {
-    const int64_t at = (table[j / p.block_size] * p.block_size + j % p.block_size) * row + h * d;
-    krows[j] = kc + at;
-    vrows[j] = vc + at;
+  for (int64_t j = 0, block = 0; j < len; ++block) {  // block by block: no division per key
+    const TC* kb = kc + table[block] * p.block_size * row + h * d;
+    const TC* vb = vc + table[block] * p.block_size * row + h * d;
+    for (int64_t o = 0; o < p.block_size && j < len; ++o, ++j) {
+      krows[j] = kb + o * row;
+      vrows[j] = vb + o * row;
+    }
   }
   const int64_t body = d - d % L;
   constexpr int64_t CHUNKS = 8;  // vf8 accumulators of the head dim held at once
