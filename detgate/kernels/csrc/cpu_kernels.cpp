@@ -827,9 +827,9 @@ void attend(const PagedArgs& p, int64_t b, int64_t token, int64_t len, int64_t h
   for (int64_t j = 0, block = 0; j < len; ++block) {  // block by block: no division per key
     const TC* kb = kc + table[block] * p.block_size * row + h * d;
     const TC* vb = vc + table[block] * p.block_size * row + h * d;
-    for (int64_t o = 0; o < p.block_size && j < len; ++o, ++j) {
-      krows[j] = kb + o * row;
-      vrows[j] = vb + o * row;
+    for (int64_t slot = 0; slot < p.block_size && j < len; ++slot, ++j) {
+      krows[j] = kb + slot * row;
+      vrows[j] = vb + slot * row;
     }
   }
   const int64_t body = d - d % L;
@@ -930,7 +930,8 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
 // A copy of each token's rows: no arithmetic, so no bits to argue about.
 void store_kv(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& k_cache,
               const torch::Tensor& v_cache, const torch::Tensor& slot_mapping) {
-  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.scalar_type() == k_cache.scalar_type() &&
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() &&
+                  k.scalar_type() == k_cache.scalar_type() &&
                   v.scalar_type() == v_cache.scalar_type(),
               "store_kv: k, v [T, Hkv, D] of the caches' dtype expected");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
